@@ -1,0 +1,100 @@
+"""``check_*`` helpers: each raises :class:`BlockDiagError` with the actual shapes."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._errors import BlockDiagError
+
+
+def check(fn_name: str, cond: bool, msg: str) -> None:
+    """Raise ``BlockDiagError(f"{fn_name}: {msg}")`` unless ``cond``."""
+    if not cond:
+        raise BlockDiagError(f"{fn_name}: {msg}")
+
+
+def check_groups(fn_name: str, groups: object, in_features: int, out_features: int) -> int:
+    """Check that ``groups`` is a positive int dividing both feature counts."""
+    check(
+        fn_name,
+        isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
+        f"groups must be a positive int, got {groups!r}",
+    )
+    check(
+        fn_name,
+        in_features >= 1 and out_features >= 1,
+        f"in_features and out_features must be positive, got in_features={in_features}, "
+        f"out_features={out_features}",
+    )
+    check(
+        fn_name,
+        in_features % groups == 0 and out_features % groups == 0,
+        f"groups={groups} must divide in_features={in_features} and out_features={out_features}",
+    )
+    return groups
+
+
+def check_float(fn_name: str, arg: str, t: torch.Tensor) -> None:
+    """Check that ``t`` has a floating-point dtype."""
+    check(fn_name, t.is_floating_point(), f"{arg} must have a floating dtype, got {t.dtype}")
+
+
+def check_same_device_dtype(fn_name: str, **tensors: torch.Tensor | None) -> None:
+    """Check that all given tensors share one device and one dtype."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    k0, t0 = items[0]
+    for k, t in items[1:]:
+        check(
+            fn_name,
+            t.device == t0.device,
+            f"{k} is on {t.device} but {k0} is on {t0.device}; move them to one device",
+        )
+        check(
+            fn_name,
+            t.dtype == t0.dtype,
+            f"{k} has dtype {t.dtype} but {k0} has dtype {t0.dtype}; cast them to one dtype",
+        )
+
+
+def as_blocks(fn_name: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Return ``blocks`` as one ``[G, r, c]`` tensor, checking the shapes.
+
+    Accepts a 3-D tensor or a non-empty sequence of equal-shaped 2-D tensors
+    (stacked, so gradients flow back to the sequence's elements).
+    """
+    if isinstance(blocks, torch.Tensor):
+        check(
+            fn_name,
+            blocks.dim() == 3,
+            f"blocks must be a [G, rows, cols] tensor, got shape {tuple(blocks.shape)}",
+        )
+        out = blocks
+    else:
+        blocks = list(blocks)
+        check(fn_name, len(blocks) > 0, "blocks is an empty sequence")
+        for g, b in enumerate(blocks):
+            check(
+                fn_name,
+                isinstance(b, torch.Tensor) and b.dim() == 2,
+                f"blocks[{g}] must be a 2-D tensor, got "
+                f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}",
+            )
+            check(
+                fn_name,
+                b.shape == blocks[0].shape,
+                f"blocks[{g}] has shape {tuple(b.shape)} but blocks[0] has shape "
+                f"{tuple(blocks[0].shape)}; all blocks must have one shape",
+            )
+            check_same_device_dtype(fn_name, **{"blocks[0]": blocks[0], f"blocks[{g}]": b})
+        out = torch.stack(blocks)
+    check_float(fn_name, "blocks", out)
+    check(
+        fn_name,
+        out.shape[0] >= 1 and out.shape[1] >= 1 and out.shape[2] >= 1,
+        f"blocks must have G, rows, cols >= 1, got shape {tuple(out.shape)}",
+    )
+    return out

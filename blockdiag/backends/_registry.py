@@ -1,0 +1,154 @@
+"""The string-keyed backend registry and the data each backend declares about itself."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from .._errors import BlockDiagError
+
+__all__ = ["Problem", "Backend", "BackendInfo", "register", "get", "names", "registry"]
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+F32_F64 = frozenset({torch.float32, torch.float64})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One grouped-linear product: what a backend must run and what the chooser keys on.
+
+    ``batch`` is the number of rows after flattening the leading dims.
+    """
+
+    batch: int
+    groups: int
+    block_in: int
+    block_out: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    requires_grad: bool = False
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the block-diagonal matrix outside the blocks: ``1 - 1/groups``."""
+        return 1.0 - 1.0 / self.groups
+
+    @property
+    def flops(self) -> int:
+        """Useful multiply-adds times two of the forward product."""
+        return 2 * self.batch * self.groups * self.block_in * self.block_out
+
+    @property
+    def mode(self) -> str:
+        """``"train"`` (forward and backward) or ``"forward"``."""
+        return "train" if self.requires_grad else "forward"
+
+    def describe(self) -> str:
+        return (
+            f"batch={self.batch} groups={self.groups} block={self.block_in}x{self.block_out} "
+            f"(in x out) {str(self.dtype).replace('torch.', '')} {self.device} {self.mode}"
+        )
+
+
+# fn(x [N, G*in], weight [G, out, in], bias [G*out] | None) -> [N, G*out]
+KernelFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A multiply strategy and the constraints under which it runs, as data.
+
+    Attributes:
+        name: registry key.
+        fn: the pure function ``fn(x, weight, bias) -> y`` with ``x: [N, G*in]``,
+            ``weight: [G, out, in]``, ``bias: [G*out] | None``.
+        dtypes: for each device type it runs on, the dtypes it accepts.
+        grad: whether it gives gradients for input, weight and bias.
+        sparse: whether it multiplies through a sparse layout (then ``auto`` considers it only
+            above the sparsity threshold).
+        requires: an optional module it needs (imported lazily, only inside ``fn``).
+        constraint: extra shape rules: returns the reason it declines a problem, or None.
+        summary: one line for tables and docs.
+    """
+
+    name: str
+    fn: KernelFn
+    dtypes: Mapping[str, frozenset] = field(default_factory=dict)
+    grad: bool = True
+    sparse: bool = False
+    requires: Optional[str] = None
+    constraint: Optional[Callable[[Problem], Optional[str]]] = None
+    summary: str = ""
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this backend cannot run in this installation at all, or None."""
+        if self.requires and importlib.util.find_spec(self.requires) is None:
+            return f"{self.requires.replace('_', '-')} is not installed"
+        return None
+
+    def decline_reason(self, p: Problem) -> Optional[str]:
+        """Why this backend cannot run ``p``, or None when it can."""
+        why = self.unavailable_reason()
+        if why:
+            return f"unavailable: {why}"
+        if p.device not in self.dtypes:
+            return f"does not run on {p.device} (runs on {', '.join(sorted(self.dtypes))})"
+        if p.dtype not in self.dtypes[p.device]:
+            ok = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes[p.device]))
+            return f"does not support {str(p.dtype).replace('torch.', '')} on {p.device} (supports {ok})"
+        if p.requires_grad and not self.grad:
+            return "has no backward"
+        if self.constraint is not None:
+            return self.constraint(p)
+        return None
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What :func:`blockdiag.backends` reports for one backend."""
+
+    name: str
+    available: bool
+    reason: str
+    summary: str
+
+    def __str__(self) -> str:
+        state = "available" if self.available else f"unavailable ({self.reason})"
+        return f"{self.name:13s} {state:40s} {self.summary}"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend; a duplicate name raises :class:`BlockDiagError`."""
+    if backend.name in _REGISTRY or backend.name == "auto":
+        raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def names() -> tuple[str, ...]:
+    """Registered backend names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str, fn_name: str = "backend") -> Backend:
+    """The backend registered as ``name``; an unknown name lists the valid ones."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise BlockDiagError(
+            f"{fn_name}: unknown backend {name!r}; valid names are 'auto', "
+            + ", ".join(repr(n) for n in _REGISTRY)
+        ) from None
+
+
+def registry() -> Mapping[str, Backend]:
+    """A read-only view of the registry."""
+    import types
+
+    return types.MappingProxyType(_REGISTRY)

@@ -1,0 +1,416 @@
+"""Builders of block-diagonal matrices (dense, mask, CSR, BSR, COO), ``to_blocks`` and scipy interop.
+
+Every builder takes ``blocks``: a ``[G, r, c]`` tensor or a sequence of equal-shaped 2-D
+tensors, and returns a ``[G*r, G*c]`` matrix on the blocks' device and dtype whose block
+``g`` (rows ``g*r:(g+1)*r``, columns ``g*c:(g+1)*c``) is ``blocks[g]``. All builders are
+differentiable with respect to ``blocks`` and the gradient is compact (never a dense
+``[G*r, G*c]`` gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from ._checks import as_blocks, check
+from ._errors import BlockDiagError
+from .layout import BlockLayout
+
+__all__ = [
+    "block_diag_dense",
+    "block_diag_mask",
+    "block_diag_csr",
+    "block_diag_bsr",
+    "block_diag_coo",
+    "to_blocks",
+    "to_scipy",
+    "from_scipy",
+]
+
+Blocks = torch.Tensor | Sequence[torch.Tensor]
+
+LAYOUTS = ("dense", "csr", "bsr", "coo", "blocks")
+
+
+def _layout_of(blocks: torch.Tensor) -> BlockLayout:
+    g, r, c = blocks.shape
+    return BlockLayout(g, r, c)
+
+
+def dense_from_blocks(w: torch.Tensor) -> torch.Tensor:
+    """``[G, r, c] -> [G*r, G*c]`` without argument checks (the backends' hot path)."""
+    g, r, c = w.shape
+    if g == 1:
+        return w[0]
+    # diag_embed places W[g] at [:, :, g, g]; its backward reads the diagonal back, so the
+    # gradient w.r.t. the blocks is compact and nothing outside the blocks receives one.
+    out = torch.diag_embed(w.permute(1, 2, 0))  # [r, c, G, G]
+    return out.permute(2, 0, 3, 1).reshape(g * r, g * c)
+
+
+def block_diag_dense(blocks: Blocks) -> torch.Tensor:
+    """Dense block-diagonal matrix from ``G`` equal-shaped blocks.
+
+    >>> w = torch.arange(8.).reshape(2, 2, 2)
+    >>> block_diag_dense(w)
+    tensor([[0., 1., 0., 0.],
+            [2., 3., 0., 0.],
+            [0., 0., 4., 5.],
+            [0., 0., 6., 7.]])
+
+    Args:
+        blocks: ``[G, r, c]`` tensor or a sequence of ``G`` tensors of shape ``[r, c]``.
+
+    Returns:
+        ``[G*r, G*c]`` tensor, differentiable w.r.t. ``blocks``.
+
+    Raises:
+        BlockDiagError: if the blocks are not 2-D, differ in shape, dtype or device,
+            or are not floating point.
+    """
+    return dense_from_blocks(as_blocks("block_diag_dense", blocks))
+
+
+def block_diag_mask(
+    groups: int, block_shape: tuple[int, int], *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool mask of a block-diagonal matrix: True inside the ``groups`` diagonal blocks.
+
+    >>> block_diag_mask(2, (1, 2)).int()
+    tensor([[1, 1, 0, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+
+    Args:
+        groups: number of blocks ``G``.
+        block_shape: ``(r, c)``, the shape of one block.
+        device: where to put the mask (default: CPU).
+
+    Returns:
+        bool tensor ``[G*r, G*c]``.
+
+    Raises:
+        BlockDiagError: if ``groups`` or the block shape are not positive ints.
+    """
+    check(
+        "block_diag_mask",
+        isinstance(groups, int) and groups >= 1,
+        f"groups must be a positive int, got {groups!r}",
+    )
+    check(
+        "block_diag_mask",
+        len(tuple(block_shape)) == 2 and all(isinstance(v, int) and v >= 1 for v in block_shape),
+        f"block_shape must be two positive ints (rows, cols), got {block_shape!r}",
+    )
+    r, c = block_shape
+    return BlockLayout(groups, r, c).mask(device).clone()
+
+
+def _sparse_csr(w: torch.Tensor) -> torch.Tensor:
+    lay = _layout_of(w)
+    crow, col = lay.csr_indices(w.device)
+    # Row k of block g holds W[g, k % r, :]: the CSR values are W flattened, no gather needed.
+    return torch.sparse_csr_tensor(
+        crow, col, w.reshape(-1), lay.shape, check_invariants=False
+    )
+
+
+def _bsr_values(w: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+    g, r, c = w.shape
+    p, q = blocksize
+    if (p, q) == (r, c):
+        return w
+    return w.reshape(g, r // p, p, c // q, q).permute(0, 1, 3, 2, 4).reshape(-1, p, q)
+
+
+def _sparse_bsr(w: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+    lay = _layout_of(w)
+    crow, col = lay.bsr_indices(blocksize, w.device)
+    return torch.sparse_bsr_tensor(
+        crow, col, _bsr_values(w, blocksize), lay.shape, check_invariants=False
+    )
+
+
+def block_diag_csr(blocks: Blocks) -> torch.Tensor:
+    """Sparse CSR block-diagonal matrix; stored values are exactly the block entries.
+
+    Explicit zeros inside a block are stored; nothing outside the blocks is.
+
+    >>> m = block_diag_csr(torch.ones(3, 2, 2))
+    >>> m.layout, m.shape, m.values().numel()
+    (torch.sparse_csr, torch.Size([6, 6]), 12)
+
+    Args:
+        blocks: ``[G, r, c]`` tensor or a sequence of ``[r, c]`` tensors.
+
+    Returns:
+        ``torch.sparse_csr`` tensor ``[G*r, G*c]``; its ``values()`` are
+        ``blocks.reshape(-1)`` (differentiable w.r.t. ``blocks``).
+
+    Raises:
+        BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).
+    """
+    w = as_blocks("block_diag_csr", blocks)
+    out = _sparse_csr(w.contiguous())
+    return out
+
+
+def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> torch.Tensor:
+    """Sparse BSR block-diagonal matrix.
+
+    >>> m = block_diag_bsr(torch.ones(3, 4, 2), blocksize=(2, 2))
+    >>> m.layout, m.values().shape
+    (torch.sparse_bsr, torch.Size([6, 2, 2]))
+
+    Args:
+        blocks: ``[G, r, c]`` tensor or a sequence of ``[r, c]`` tensors.
+        blocksize: ``(p, q)`` dividing ``(r, c)``; default ``(r, c)``, one stored block per
+            diagonal block. (Some torch kernels, e.g. MKL on CPU, need square blocks;
+            ``(math.gcd(r, c),) * 2`` always divides.)
+
+    Returns:
+        ``torch.sparse_bsr`` tensor ``[G*r, G*c]``.
+
+    Raises:
+        BlockDiagError: on malformed blocks or a blocksize that does not divide the block shape.
+    """
+    w = as_blocks("block_diag_bsr", blocks)
+    _, r, c = w.shape
+    bs = (r, c) if blocksize is None else tuple(blocksize)
+    check(
+        "block_diag_bsr",
+        len(bs) == 2 and all(isinstance(v, int) and v >= 1 for v in bs),
+        f"blocksize must be two positive ints, got {blocksize!r}",
+    )
+    check(
+        "block_diag_bsr",
+        r % bs[0] == 0 and c % bs[1] == 0,
+        f"blocksize={bs} must divide the block shape ({r}, {c})",
+    )
+    return _sparse_bsr(w.contiguous(), bs)  # type: ignore[arg-type]
+
+
+def block_diag_coo(blocks: Blocks) -> torch.Tensor:
+    """Sparse COO (coalesced) block-diagonal matrix.
+
+    >>> m = block_diag_coo(torch.ones(2, 1, 3))
+    >>> m.indices().tolist()
+    [[0, 0, 0, 1, 1, 1], [0, 1, 2, 3, 4, 5]]
+
+    Args:
+        blocks: ``[G, r, c]`` tensor or a sequence of ``[r, c]`` tensors.
+
+    Returns:
+        coalesced ``torch.sparse_coo`` tensor ``[G*r, G*c]`` whose values are
+        ``blocks.reshape(-1)``.
+
+    Raises:
+        BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).
+    """
+    w = as_blocks("block_diag_coo", blocks)
+    lay = _layout_of(w)
+    return torch.sparse_coo_tensor(
+        lay.coo_indices(w.device).clone(),
+        w.reshape(-1),
+        lay.shape,
+        is_coalesced=True,
+        check_invariants=False,
+    )
+
+
+def _first_offdiag(rows: torch.Tensor, cols: torch.Tensor, r: int, c: int) -> int | None:
+    bad = (rows // r) != (cols // c)
+    if bool(bad.any()):
+        return int(bad.nonzero()[0, 0])
+    return None
+
+
+def _blocks_from_coo(
+    fn: str, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape, groups: int
+) -> torch.Tensor:
+    r, c = shape[0] // groups, shape[1] // groups
+    nz = vals != 0
+    k = _first_offdiag(rows[nz], cols[nz], r, c)
+    if k is not None:
+        i, j = int(rows[nz][k]), int(cols[nz][k])
+        raise BlockDiagError(
+            f"{fn}: matrix of shape {tuple(shape)} has a non-zero {vals[nz][k].item()!r} at "
+            f"({i}, {j}), outside the {groups} diagonal blocks of shape ({r}, {c})"
+        )
+    out = torch.zeros(groups, r, c, dtype=vals.dtype, device=vals.device)
+    inside = (rows // r) == (cols // c)  # stored zeros off the diagonal are dropped
+    rows, cols, vals = rows[inside], cols[inside], vals[inside]
+    out.index_put_((rows // r, rows % r, cols % c), vals, accumulate=True)
+    return out
+
+
+def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
+    """Extract the ``[G, r, c]`` diagonal blocks of a block-diagonal matrix.
+
+    Accepts a dense tensor, a torch sparse tensor (COO, CSR, CSC, BSR, BSC) or a scipy
+    sparse matrix/array. Refuses (rather than silently dropping) any non-zero outside the
+    diagonal blocks.
+
+    >>> to_blocks(block_diag_csr(torch.ones(2, 1, 2)), 2)
+    tensor([[[1., 1.]],
+    <BLANKLINE>
+            [[1., 1.]]])
+
+    Args:
+        matrix: a 2-D block-diagonal matrix of shape ``[G*r, G*c]``.
+        groups: ``G``.
+
+    Returns:
+        ``[G, r, c]`` tensor (dense, same device and dtype; from scipy: CPU, numpy's dtype).
+
+    Raises:
+        BlockDiagError: if ``matrix`` is not 2-D, ``groups`` does not divide its shape, or any
+            entry outside the diagonal blocks is non-zero (the message names the first one).
+    """
+    fn = "to_blocks"
+    if not isinstance(matrix, torch.Tensor):
+        import scipy.sparse as sp
+
+        check(
+            fn,
+            sp.issparse(matrix),
+            f"matrix must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
+        )
+        coo = matrix.tocoo()
+        rows = torch.from_numpy(coo.row.astype("int64"))
+        cols = torch.from_numpy(coo.col.astype("int64"))
+        vals = torch.from_numpy(coo.data)
+        shape = coo.shape
+        _check_shape(fn, shape, groups)
+        return _blocks_from_coo(fn, rows, cols, vals, shape, groups)
+    check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+    shape = tuple(matrix.shape)
+    _check_shape(fn, shape, groups)
+    r, c = shape[0] // groups, shape[1] // groups
+    if matrix.layout == torch.strided:
+        m = matrix.view(groups, r, groups, c) if matrix.is_contiguous() else matrix.reshape(
+            groups, r, groups, c
+        )
+        idx = torch.arange(groups, device=matrix.device)
+        blocks = m[idx, :, idx, :]  # [G, r, c]
+        off = matrix.ne(0) & ~BlockLayout(groups, r, c).mask(matrix.device)
+        if bool(off.any()):
+            i, j = (int(v) for v in off.nonzero()[0])
+            raise BlockDiagError(
+                f"{fn}: matrix of shape {shape} has a non-zero {matrix[i, j].item()!r} at "
+                f"({i}, {j}), outside the {groups} diagonal blocks of shape ({r}, {c})"
+            )
+        return blocks
+    coo = matrix.to_sparse_coo().coalesce() if matrix.layout != torch.sparse_coo else matrix.coalesce()
+    rows, cols = coo.indices()
+    return _blocks_from_coo(fn, rows, cols, coo.values(), shape, groups)
+
+
+def _check_shape(fn: str, shape, groups: int) -> None:
+    check(
+        fn,
+        isinstance(groups, int) and groups >= 1,
+        f"groups must be a positive int, got {groups!r}",
+    )
+    check(
+        fn,
+        shape[0] % groups == 0 and shape[1] % groups == 0 and shape[0] > 0 and shape[1] > 0,
+        f"groups={groups} must divide both dimensions of the matrix of shape {tuple(shape)}",
+    )
+
+
+def to_scipy(matrix: torch.Tensor):
+    """Convert a torch matrix to the scipy sparse array of the matching format.
+
+    CSR -> ``csr_array``, BSR -> ``bsr_array`` (same blocksize), COO -> ``coo_array``,
+    CSC -> ``csc_array``; a dense tensor becomes a ``csr_array`` holding its non-zeros.
+    Values are copied to CPU (and detached).
+
+    >>> to_scipy(block_diag_csr(torch.ones(2, 1, 1))).toarray()
+    array([[1., 0.],
+           [0., 1.]], dtype=float32)
+
+    Args:
+        matrix: 2-D torch tensor (strided, COO, CSR, CSC or BSR).
+
+    Returns:
+        a ``scipy.sparse`` array.
+
+    Raises:
+        BlockDiagError: for tensors that are not 2-D or have an unsupported layout.
+    """
+    import scipy.sparse as sp
+
+    fn = "to_scipy"
+    check(fn, isinstance(matrix, torch.Tensor), f"matrix must be a tensor, got {type(matrix).__name__}")
+    check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+    m = matrix.detach().cpu()
+    shape = tuple(m.shape)
+    if m.layout == torch.sparse_csr:
+        return sp.csr_array(
+            (m.values().numpy(), m.col_indices().numpy(), m.crow_indices().numpy()), shape=shape
+        )
+    if m.layout == torch.sparse_csc:
+        return sp.csc_array(
+            (m.values().numpy(), m.row_indices().numpy(), m.ccol_indices().numpy()), shape=shape
+        )
+    if m.layout == torch.sparse_bsr:
+        return sp.bsr_array(
+            (m.values().numpy(), m.col_indices().numpy(), m.crow_indices().numpy()), shape=shape
+        )
+    if m.layout == torch.sparse_coo:
+        m = m.coalesce()
+        return sp.coo_array((m.values().numpy(), tuple(m.indices().numpy())), shape=shape)
+    if m.layout == torch.strided:
+        return sp.csr_array(m.numpy())
+    raise BlockDiagError(f"{fn}: unsupported layout {m.layout}")
+
+
+def from_scipy(
+    spmatrix: Any,
+    groups: int,
+    *,
+    layout: str = "csr",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Build a torch block-diagonal matrix (or its blocks) from a scipy sparse matrix.
+
+    >>> import scipy.sparse as sp
+    >>> from_scipy(sp.eye(4, format="csr"), 2, layout="blocks").shape
+    torch.Size([2, 2, 2])
+
+    Args:
+        spmatrix: scipy sparse matrix or array, block-diagonal with ``groups`` blocks.
+        groups: ``G``.
+        layout: one of ``"dense"``, ``"csr"``, ``"bsr"``, ``"coo"``, ``"blocks"``
+            (the ``[G, r, c]`` tensor).
+        device: target device (default CPU).
+        dtype: target dtype (default: numpy's dtype).
+
+    Returns:
+        tensor in the requested layout.
+
+    Raises:
+        BlockDiagError: unknown layout, shape not divisible, or off-diagonal non-zeros.
+    """
+    check(
+        "from_scipy",
+        layout in LAYOUTS,
+        f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}",
+    )
+    blocks = to_blocks(spmatrix, groups).to(device=device, dtype=dtype)
+    return {
+        "blocks": lambda b: b,
+        "dense": block_diag_dense,
+        "csr": block_diag_csr,
+        "bsr": block_diag_bsr,
+        "coo": block_diag_coo,
+    }[layout](blocks)
+
+
+def square_blocksize(block_out: int, block_in: int) -> tuple[int, int]:
+    """The largest square blocksize dividing a ``(block_out, block_in)`` block."""
+    s = math.gcd(block_out, block_in)
+    return (s, s)

@@ -1,0 +1,232 @@
+"""``GroupedLinear``: G independent linear layers as one module with a pluggable multiply."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .._checks import check, check_groups, check_same_device_dtype
+from ..backends import Problem, get
+from ..dispatch import Plan, plan_for
+
+__all__ = ["GroupedLinear", "grouped_linear"]
+
+
+def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
+    check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    g, o, i = weight.shape
+    check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
+    check(
+        fn,
+        x.shape[-1] == g * i,
+        f"input has shape {tuple(x.shape)}; its last dimension must be in_features={g * i} "
+        f"(groups={g} x block_in={i})",
+    )
+    if bias is not None:
+        check(fn, bias.shape == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
+    check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+    n = x.numel() // (g * i) if g * i else 0
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return Problem(n, g, i, o, x.dtype, x.device.type, grad)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Functional form: ``y[..., g-th slice] = x[..., g-th slice] @ weight[g].T + bias[g-th slice]``.
+
+    >>> x, w = torch.randn(5, 6), torch.randn(3, 4, 2)
+    >>> grouped_linear(x, w, backend="bmm").shape
+    torch.Size([5, 12])
+
+    Args:
+        x: ``[..., groups * block_in]``.
+        weight: ``[groups, block_out, block_in]``.
+        bias: ``[groups * block_out]`` or None.
+        backend: a registered backend name or ``"auto"``.
+
+    Returns:
+        ``[..., groups * block_out]``.
+
+    Raises:
+        BlockDiagError: on mismatched shapes, devices or dtypes, an unknown backend, or a
+            backend that cannot run this input.
+    """
+    fn = "grouped_linear"
+    p = _problem(fn, x, weight, bias)
+    plan = plan_for(backend, p, fn)
+    return _run(plan.backend, x, weight, bias)
+
+
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    g, o, i = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, g * i)
+    y = get(name).fn(x2, weight, bias)
+    return y.reshape(*lead, g * o)
+
+
+class GroupedLinear(nn.Module):
+    """``groups`` independent ``nn.Linear(in_features // groups, out_features // groups)``.
+
+    Block ``g`` maps input slice ``g`` to output slice ``g``, as ``nn.Conv1d(groups=...)``
+    does; the layer equals ``nn.Linear`` with a block-diagonal weight.
+
+    >>> layer = GroupedLinear(150 * 4, 10 * 4, groups=4)
+    >>> layer(torch.randn(32, 600)).shape
+    torch.Size([32, 40])
+    >>> layer.weight.shape
+    torch.Size([4, 10, 150])
+
+    Args:
+        in_features: total input features (``groups * block_in``).
+        out_features: total output features (``groups * block_out``).
+        groups: number of independent blocks; must divide both feature counts.
+        bias: learn an additive bias (``[out_features]``).
+        backend: a registered backend name or ``"auto"`` (settable later as ``layer.backend``).
+        device, dtype: factory kwargs, as for ``nn.Linear``.
+
+    Raises:
+        BlockDiagError: groups not dividing the features, or an unknown backend name.
+
+    The parameters (``weight: [groups, block_out, block_in]``, ``bias: [out_features]``) and
+    the state_dict are the same whatever the backend. Default init matches ``groups``
+    independent ``nn.Linear(block_in, block_out)`` in distribution.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        groups: int,
+        bias: bool = True,
+        *,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_groups(type(self).__name__, groups, in_features, out_features)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.groups = groups
+        self.block_in = in_features // groups
+        self.block_out = out_features // groups
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(groups, self.block_out, self.block_in, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        if self.bias is None:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @property
+    def backend(self) -> str:
+        """The backend name, or ``"auto"``; assigning an unknown name raises."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name != "auto":
+            get(name, f"{type(self).__name__}.backend")
+        self._backend = name
+
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear.reset_parameters`` per block: U(-1/sqrt(block_in), 1/sqrt(block_in))."""
+        bound = 1.0 / math.sqrt(self.block_in)
+        # nn.Linear uses kaiming_uniform_(a=sqrt(5)), whose bound is exactly 1/sqrt(fan_in).
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def plan(self, x: torch.Tensor) -> Plan:
+        """The backend this layer uses for ``x`` and why (print it for a report).
+
+        >>> layer = GroupedLinear(20, 20, groups=2)
+        >>> layer.plan(torch.randn(8, 20)).backend in blockdiag.backends.names()
+        True
+        """
+        return plan_for(self.backend, _problem(type(self).__name__, x, self.weight, self.bias), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self.plan(x).backend, x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"groups={self.groups}, block={self.block_in}x{self.block_out} (in x out), "
+            f"bias={self.bias is not None}, backend={self.backend!r}"
+        )
+
+
+    @classmethod
+    def from_linears(cls, linears: Sequence[nn.Linear], *, backend: str = "auto") -> "GroupedLinear":
+        """Stack ``G`` equal-shaped ``nn.Linear`` into one layer (weights and biases copied).
+
+        >>> heads = [nn.Linear(3, 2) for _ in range(4)]
+        >>> GroupedLinear.from_linears(heads).weight.shape
+        torch.Size([4, 2, 3])
+
+        Args:
+            linears: a non-empty sequence of ``nn.Linear`` of one shape, all with or all
+                without bias, on one device and dtype.
+            backend: for the new layer.
+
+        Returns:
+            a ``GroupedLinear`` on the linears' device and dtype.
+
+        Raises:
+            BlockDiagError: empty input, non-Linear items, or differing shapes, bias,
+                devices or dtypes.
+        """
+        fn = "GroupedLinear.from_linears"
+        linears = list(linears)
+        check(fn, len(linears) > 0, "linears is empty")
+        first = linears[0]
+        for k, lin in enumerate(linears):
+            check(fn, isinstance(lin, nn.Linear), f"linears[{k}] is a {type(lin).__name__}, not nn.Linear")
+            check(
+                fn,
+                lin.weight.shape == first.weight.shape,
+                f"linears[{k}] has weight shape {tuple(lin.weight.shape)} but linears[0] has "
+                f"{tuple(first.weight.shape)}",
+            )
+            check(
+                fn,
+                (lin.bias is None) == (first.bias is None),
+                f"linears[{k}] {'has no' if lin.bias is None else 'has a'} bias, unlike linears[0]",
+            )
+            check_same_device_dtype(fn, **{"linears[0].weight": first.weight, f"linears[{k}].weight": lin.weight})
+        g = len(linears)
+        o, i = first.weight.shape
+        layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,
+                    device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(torch.stack([lin.weight for lin in linears]))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.cat([lin.bias for lin in linears]))
+        return layer
+
+    def to_linears(self) -> nn.ModuleList:
+        """The ``groups`` independent ``nn.Linear`` this layer computes (weights copied).
+
+        >>> GroupedLinear(6, 4, groups=2).to_linears()[0]
+        Linear(in_features=3, out_features=2, bias=True)
+        """
+        out = nn.ModuleList()
+        for g in range(self.groups):
+            lin = nn.Linear(self.block_in, self.block_out, bias=self.bias is not None,
+                            device=self.weight.device, dtype=self.weight.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(self.weight[g])
+                if self.bias is not None:
+                    lin.bias.copy_(self.bias[g * self.block_out:(g + 1) * self.block_out])
+            out.append(lin)
+        return out
+
+

@@ -1,0 +1,200 @@
+"""Tuning profiles: measured backend times per machine, loaded by ``auto``, written atomically.
+
+A profile file is JSON::
+
+    {"format": "blockdiag-profile", "version": 1,
+     "entries": {"<device name>|<torch version>|<dtype>": {
+         "device_name": ..., "device": "cpu" | "cuda", "torch": ..., "dtype": "float32",
+         "created": ISO time, "threads": int,
+         "settings": {"sparsity_threshold": float, "dense_max_groups": int, ...},
+         "measurements": [{"mode": "forward" | "train", "batch": B, "groups": G,
+                           "block_in": i, "block_out": o, "times_us": {backend: median us}}]}}}
+
+``auto`` uses the entry whose key matches the problem's device name, the running torch and
+the dtype. Without one it uses the built-in table shipped in ``blockdiag/_defaults.json``
+(measured on a 2-core CPU). A missing file is silent; a corrupt file, or one holding only
+entries for another torch version or device (stale), gives one warning per file and falls
+back to the defaults: ``auto`` never crashes on a profile.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ._errors import BlockDiagError
+
+FORMAT = "blockdiag-profile"
+VERSION = 1
+DEFAULTS_PATH = Path(__file__).with_name("_defaults.json")
+
+__all__ = ["ProfileWarning", "default_profile_path", "device_name", "profile_key", "load_entry", "save_entry"]
+
+
+class ProfileWarning(UserWarning):
+    """A tuning profile was corrupt or stale and the built-in defaults are used instead."""
+
+
+def default_profile_path() -> Path:
+    """``$BLOCKDIAG_PROFILE``, else ``$XDG_CACHE_HOME/blockdiag/profile.json`` (``~/.cache``)."""
+    env = os.environ.get("BLOCKDIAG_PROFILE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "blockdiag" / "profile.json"
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: str) -> str:
+    """A stable name of the device kind (``torch.cuda.get_device_name`` or the CPU model)."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    if device == "cpu":
+        model = "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        model = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            # Not Linux: the platform's processor string is the best name there is.
+            import platform
+
+            model = platform.processor() or "cpu"
+        return f"{model} ({torch.get_num_threads()} threads)"
+    return device
+
+
+def profile_key(device: str, dtype: torch.dtype) -> str:
+    return f"{device_name(device)}|{torch.__version__}|{str(dtype).replace('torch.', '')}"
+
+
+def _validate(doc: Any, path: str) -> dict:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"version {doc.get('version')!r}, this blockdiag reads version {VERSION}")
+    entries = doc.get("entries")
+    if not isinstance(entries, dict):
+        raise ValueError("'entries' is missing or not an object")
+    for key, e in entries.items():
+        ms = e.get("measurements") if isinstance(e, dict) else None
+        if not isinstance(ms, list):
+            raise ValueError(f"entry {key!r} has no 'measurements' list")
+        for m in ms:
+            if not (
+                isinstance(m, dict)
+                and m.get("mode") in ("forward", "train")
+                and all(isinstance(m.get(k), int) and m[k] >= 0 for k in ("batch", "groups", "block_in", "block_out"))
+                and isinstance(m.get("times_us"), dict)
+                and all(isinstance(v, (int, float)) and v > 0 for v in m["times_us"].values())
+            ):
+                raise ValueError(f"entry {key!r} has a malformed measurement {m!r:.120}")
+    return doc
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, mtime_ns: int) -> tuple[Optional[dict], Optional[str]]:
+    try:
+        with open(path) as f:
+            return _validate(json.load(f), path), None
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        return None, f"{type(e).__name__}: {e}"
+
+
+_warned: set = set()
+
+
+def _warn_once(path: str, msg: str) -> None:
+    if (path, msg) not in _warned:
+        _warned.add((path, msg))
+        warnings.warn(f"blockdiag: {msg}; using the built-in defaults", ProfileWarning, stacklevel=4)
+
+
+def read_profile(path: Path | str) -> tuple[Optional[dict], Optional[str]]:
+    """``(document, None)`` or ``(None, why it is unusable)``; ``(None, None)`` if missing."""
+    path = str(path)
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return None, None
+    return _read(path, mtime)
+
+
+def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) -> tuple[Optional[dict], str]:
+    """The profile entry for ``(device, dtype)`` and a description of its source.
+
+    Falls back to the built-in table (``(entry, "built-in defaults")``) with one
+    :class:`ProfileWarning` for a corrupt or stale file. Never raises.
+    """
+    p = str(path or default_profile_path())
+    doc, err = read_profile(p)
+    if err is not None:
+        _warn_once(p, f"tuning profile {p} is corrupt ({err})")
+    elif doc is not None:
+        key = profile_key(device, dtype)
+        entry = doc["entries"].get(key)
+        if entry is not None:
+            return entry, f"tuning profile {p}"
+        same_dev = [k for k in doc["entries"] if k.split("|")[0] == key.split("|")[0]]
+        if not same_dev or all(k.split("|")[1] != torch.__version__ for k in same_dev):
+            _warn_once(
+                p,
+                f"tuning profile {p} is stale: it has no entry for {key!r} "
+                f"(it has {', '.join(map(repr, doc['entries'])) or 'none'}); run `blockdiag tune`",
+            )
+    return builtin_entry(device, dtype), "built-in defaults"
+
+
+def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
+    """The shipped table for the device type (any dtype), or None where none ships."""
+    doc, err = read_profile(DEFAULTS_PATH)
+    if doc is None:
+        return None
+    for e in doc["entries"].values():
+        if e.get("device") == device:
+            return e
+    return None
+
+
+def save_entry(entry: dict, path: Path | str | None = None) -> Path:
+    """Merge ``entry`` into the profile at ``path`` atomically (temp file, then rename).
+
+    A corrupt existing file is replaced (its content could not be used anyway).
+
+    Returns:
+        the path written.
+
+    Raises:
+        BlockDiagError: if the directory cannot be created or written.
+    """
+    p = Path(path or default_profile_path())
+    doc, _ = read_profile(p)
+    if doc is None:
+        doc = {"format": FORMAT, "version": VERSION, "entries": {}}
+    key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
+    doc["entries"][key] = entry
+    _validate(doc, str(p))
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
+    return p

@@ -1,0 +1,168 @@
+"""User-tunable settings of the chooser and their precedence.
+
+Precedence, highest first (each setting resolved on its own):
+
+1. an enclosing ``with blockdiag.config(...)`` block (innermost wins);
+2. :func:`blockdiag.set_sparsity_threshold` / :func:`set_config` (process-wide);
+3. the environment variable (``BLOCKDIAG_SPARSITY_THRESHOLD``, ``BLOCKDIAG_DENSE_MAX_GROUPS``,
+   ``BLOCKDIAG_DENSE_MAX_ELEMENTS``), read at each resolution;
+4. the matching tuning profile's measured value (``blockdiag tune``);
+5. the built-in default below.
+
+A bad environment value raises :class:`BlockDiagError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from ._errors import BlockDiagError
+
+__all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs ``auto`` reads (all crossovers of the decision table).
+
+    Attributes:
+        sparsity_threshold: sparse layouts (CSR, BSR, torch-sparse) are candidates only when
+            the weight's sparsity ``1 - 1/groups`` is at least this. ``1.0`` means never.
+        dense_max_groups: the dense block-diagonal GEMM is a candidate only up to this many
+            groups (its cost grows with ``groups**2``).
+        dense_max_elements: ... and only while the dense matrix has at most this many entries.
+        profile: path of the tuning profile, or None for the default location.
+    """
+
+    sparsity_threshold: float = 1.0
+    dense_max_groups: int = 16
+    dense_max_elements: int = 1 << 22
+    profile: Optional[str] = None
+
+
+DEFAULTS = Settings()
+_ENV = {
+    "sparsity_threshold": ("BLOCKDIAG_SPARSITY_THRESHOLD", float),
+    "dense_max_groups": ("BLOCKDIAG_DENSE_MAX_GROUPS", int),
+    "dense_max_elements": ("BLOCKDIAG_DENSE_MAX_ELEMENTS", int),
+    "profile": ("BLOCKDIAG_PROFILE", str),
+}
+_FIELDS = tuple(_ENV)
+
+_global: dict[str, Any] = {}
+_local = threading.local()
+
+
+def _validate(name: str, value: Any, source: str) -> Any:
+    if name not in _ENV:
+        raise BlockDiagError(f"config: unknown setting {name!r}; valid settings are {', '.join(_FIELDS)}")
+    if value is None and name == "profile":
+        return None
+    typ = _ENV[name][1]
+    try:
+        v = typ(value)
+    except (TypeError, ValueError):
+        raise BlockDiagError(f"{source}: {name} must be a {typ.__name__}, got {value!r}") from None
+    if name == "sparsity_threshold" and not 0.0 <= v <= 1.0:
+        raise BlockDiagError(f"{source}: sparsity_threshold must lie in [0, 1], got {v!r}")
+    if name in ("dense_max_groups", "dense_max_elements") and v < 0:
+        raise BlockDiagError(f"{source}: {name} must be >= 0, got {v!r}")
+    return v
+
+
+def set_config(**settings: Any) -> None:
+    """Set chooser settings process-wide (``None`` un-sets one).
+
+    >>> import blockdiag
+    >>> blockdiag.set_config(dense_max_groups=8)
+    >>> blockdiag.set_config(dense_max_groups=None)
+
+    Args:
+        **settings: any of the :class:`Settings` fields.
+
+    Raises:
+        BlockDiagError: unknown setting or out-of-range value.
+    """
+    for k, v in settings.items():
+        if v is None:
+            _validate(k, 0 if k != "profile" else None, "set_config")
+            _global.pop(k, None)
+        else:
+            _global[k] = _validate(k, v, "set_config")
+
+
+def set_sparsity_threshold(value: float | None) -> None:
+    """Set the sparsity threshold process-wide; ``None`` returns to env/profile/default.
+
+    >>> import blockdiag
+    >>> blockdiag.set_sparsity_threshold(0.9)   # sparse layouts from 10 groups on
+    >>> blockdiag.set_sparsity_threshold(None)
+
+    Args:
+        value: in ``[0, 1]``; sparse layouts are candidates when ``1 - 1/groups >= value``.
+
+    Raises:
+        BlockDiagError: value outside ``[0, 1]``.
+    """
+    set_config(sparsity_threshold=value)
+
+
+@contextlib.contextmanager
+def config(**settings: Any) -> Iterator[None]:
+    """Override chooser settings inside a ``with`` block (thread-local, nestable).
+
+    >>> import blockdiag
+    >>> with blockdiag.config(sparsity_threshold=0.0):
+    ...     blockdiag.get_settings().sparsity_threshold
+    0.0
+
+    Args:
+        **settings: any of the :class:`Settings` fields.
+
+    Raises:
+        BlockDiagError: unknown setting or out-of-range value.
+    """
+    frame = {k: _validate(k, v, "config") for k, v in settings.items()}
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _explicit(name: str) -> tuple[Any, str] | None:
+    for frame in reversed(getattr(_local, "stack", [])):
+        if name in frame:
+            return frame[name], "blockdiag.config()"
+    if name in _global:
+        return _global[name], "set_config()"
+    env, _ = _ENV[name]
+    raw = os.environ.get(env)
+    if raw not in (None, ""):
+        return _validate(name, raw, f"environment variable {env}"), f"${env}"
+    return None
+
+
+def resolve(name: str, profile_value: Any = None) -> tuple[Any, str]:
+    """``(value, where it came from)`` for one setting, following the precedence above."""
+    hit = _explicit(name)
+    if hit is not None:
+        return hit
+    if profile_value is not None:
+        return profile_value, "tuning profile"
+    return getattr(DEFAULTS, name), "built-in default"
+
+
+def get_settings() -> Settings:
+    """The settings in force here, without the profile's values (see ``explain`` for those).
+
+    >>> import blockdiag
+    >>> blockdiag.get_settings().dense_max_groups >= 0
+    True
+    """
+    return Settings(**{k: resolve(k)[0] for k in _FIELDS})

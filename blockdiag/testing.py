@@ -1,0 +1,60 @@
+"""Helpers for tests and benchmarks: the plain references, tolerances, devices and dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg
+import torch
+import torch.nn.functional as F
+
+__all__ = ["reference_loop", "reference_scipy", "tolerances", "devices", "DTYPES_CPU"]
+
+DTYPES_CPU = (torch.float32, torch.float64)
+
+
+def reference_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The definition, one block at a time: ``y[..., g] = F.linear(x[..., g], weight[g], bias[g])``.
+
+    >>> reference_loop(torch.ones(1, 4), torch.ones(2, 1, 2), None)
+    tensor([[2., 2.]])
+    """
+    g, o, i = weight.shape
+    outs = []
+    for k in range(g):
+        b = None if bias is None else bias[k * o:(k + 1) * o]
+        outs.append(F.linear(x[..., k * i:(k + 1) * i], weight[k], b))
+    return torch.cat(outs, dim=-1)
+
+
+def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ scipy.linalg.block_diag(*weight).T + bias`` computed in float64 numpy.
+
+    >>> reference_scipy(torch.ones(1, 4), torch.ones(2, 1, 2), None)
+    tensor([[2., 2.]])
+    """
+    w = scipy.linalg.block_diag(*weight.detach().cpu().double().numpy())
+    y = x.detach().cpu().double().numpy() @ w.T
+    if bias is not None:
+        y = y + bias.detach().cpu().double().numpy()
+    return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+
+
+def tolerances(dtype: torch.dtype, k: int = 1) -> dict:
+    """``assert_close`` tolerances for a dtype, loosened for a reduction of length ``k``.
+
+    >>> tolerances(torch.float64)["atol"] < tolerances(torch.float32)["atol"]
+    True
+    """
+    base = {
+        torch.float64: (1e-10, 1e-9),
+        torch.float32: (1e-5, 1e-4),
+        torch.bfloat16: (2e-2, 2e-2),
+        torch.float16: (2e-3, 2e-3),
+    }[dtype]
+    scale = max(1.0, k**0.5 / 4)
+    return {"atol": base[0] * scale, "rtol": base[1] * scale}
+
+
+def devices() -> list[str]:
+    """Device types present here: always ``"cpu"``, plus ``"cuda"`` when available."""
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
