@@ -72,6 +72,8 @@ class Backend:
         requires: an optional module it needs (imported lazily, only inside ``fn``).
         constraint: extra shape rules: returns the reason it declines a problem, or None.
         summary: one line for tables and docs.
+        probe: extra installation check beyond ``requires`` (a torch feature, a GPU
+            generation): returns why the backend cannot run here at all, or None.
     """
 
     name: str
@@ -82,11 +84,14 @@ class Backend:
     requires: Optional[str] = None
     constraint: Optional[Callable[[Problem], Optional[str]]] = None
     summary: str = ""
+    probe: Optional[Callable[[], Optional[str]]] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
         if self.requires and importlib.util.find_spec(self.requires) is None:
             return f"{self.requires.replace('_', '-')} is not installed"
+        if self.probe is not None:
+            return self.probe()
         return None
 
     def decline_reason(self, p: Problem) -> Optional[str]:
