@@ -96,11 +96,12 @@ class Backend:
 
     def decline_reason(self, p: Problem) -> Optional[str]:
         """Why this backend cannot run ``p``, or None when it can."""
+        # The device first: it is a static fact, true whatever is installed.
+        if p.device not in self.dtypes:
+            return f"does not run on {p.device} (runs on {', '.join(sorted(self.dtypes))})"
         why = self.unavailable_reason()
         if why:
             return f"unavailable: {why}"
-        if p.device not in self.dtypes:
-            return f"does not run on {p.device} (runs on {', '.join(sorted(self.dtypes))})"
         if p.dtype not in self.dtypes[p.device]:
             ok = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes[p.device]))
             return f"does not support {str(p.dtype).replace('torch.', '')} on {p.device} (supports {ok})"

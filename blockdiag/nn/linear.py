@@ -45,7 +45,7 @@ def _autocast(
     meet float32 parameters, as with ``nn.Linear``.
     """
     dev = x.device.type
-    if not torch.is_autocast_enabled(dev):
+    if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
         return x, weight, bias
     dt = torch.get_autocast_dtype(dev)
 
