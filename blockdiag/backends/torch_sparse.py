@@ -9,10 +9,12 @@ CPU only float32/float64 are declared (its half kernel accumulates in half).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..construct import _layout_of
-from ._registry import F32_F64, Backend, register
+from ._registry import F32_F64, Backend, Problem, register
 from ._sparse import sparse_block_linear
 
 
@@ -38,6 +40,19 @@ def torch_sparse(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return sparse_block_linear(x, weight, bias, _spmm)
 
 
+@functools.lru_cache(maxsize=None)
+def _built_with_cuda() -> bool:
+    import torch_sparse  # noqa: F401  (loads the extension that defines the op below)
+
+    return torch.ops.torch_sparse.cuda_version() != -1
+
+
+def _constraint(p: Problem) -> str | None:
+    if p.device == "cuda" and not _built_with_cuda():
+        return "torch-sparse was built without CUDA (rebuild it where nvcc and a CUDA torch are present)"
+    return None
+
+
 BACKEND = register(
     Backend(
         name="torch_sparse",
@@ -45,6 +60,7 @@ BACKEND = register(
         dtypes={"cpu": F32_F64, "cuda": frozenset({torch.float16, torch.float32, torch.float64})},
         sparse=True,
         requires="torch_sparse",
+        constraint=_constraint,
         summary="torch-sparse SparseTensor (CSR) SpMM, per-block weight gradient (optional package)",
     )
 )
