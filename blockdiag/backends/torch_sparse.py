@@ -22,6 +22,9 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     from torch_sparse import SparseTensor, matmul
 
     lay = _layout_of(w)
+    if dense.shape[1] == 0:
+        # torch-sparse's SpMM divides by the column count (CPU) or launches an empty grid (CUDA).
+        return dense.new_zeros(lay.shape[0], 0)
     rowptr, col = lay.csr_indices(w.device)
     # The cached indices are sorted and valid by construction, so skip torch-sparse's checks.
     st = SparseTensor(
