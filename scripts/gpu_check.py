@@ -153,7 +153,7 @@ def check_correctness() -> list[dict]:
                     want = torch.autograd.grad((yd * r.double()).sum(), (xd, wd, bd))
                     tdt = torch.float16 if _uses_tf32(name, p) else dtype
                     ok, errs = True, {}
-                    for key, a, e, k in [("y", y, yd.detach(), i)] + list(zip(("dx", "dw", "db"), got, want, (o, n, n))):
+                    for key, a, e, k in [("y", y.detach(), yd.detach(), i)] + list(zip(("dx", "dw", "db"), got, want, (o, n, n))):
                         mag = float(e.abs().max()) if e.numel() else 1.0
                         err = float((a.double() - e).abs().max()) if e.numel() else 0.0
                         errs[key] = err / max(mag, 1e-30)
