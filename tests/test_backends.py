@@ -19,12 +19,13 @@ from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, reference_scipy, tolerances
 
-CUDA = torch.cuda.is_available()
+from _params import CUDA, CUDA_MARKS
+
 
 BACKENDS = [pytest.param(n, id=n) for n in names()]
 DEVICE_DTYPES = [
     pytest.param(dev, dt, id=f"{dev}-{str(dt).replace('torch.', '')}",
-                 marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")] if dev == "cuda" else [])
+                 marks=CUDA_MARKS if dev == "cuda" else [])
     for dev in ("cpu", "cuda")
     for dt in (torch.float32, torch.float64)
 ]

@@ -22,12 +22,8 @@ from blockdiag import (
     to_scipy,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")]),
-]
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+from _params import DEVICES, DTYPES
+
 BUILDERS = {
     "dense": (block_diag_dense, torch.strided),
     "csr": (block_diag_csr, torch.sparse_csr),

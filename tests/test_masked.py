@@ -8,11 +8,8 @@ from torch import nn
 
 from blockdiag import BlockDiagError, block_diag_mask, mask_block_diagonal_, remove_block_diagonal_mask_
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")]),
-]
+from _params import CUDA, DEVICES
+
 
 OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),

@@ -15,12 +15,8 @@ from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")]),
-]
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+from _params import DEVICES, DTYPES
+
 
 
 def _runnable(name, device="cpu", dtype=torch.float64, grad=True, batch=8, g=4, i=3, o=2):
