@@ -144,8 +144,9 @@ class GroupedLinear(nn.Module):
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(groups, self.block_out, self.block_in, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        if self.bias is None:
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
@@ -172,7 +173,7 @@ class GroupedLinear(nn.Module):
         """The backend this layer uses for ``x`` and why (print it for a report).
 
         >>> layer = GroupedLinear(20, 20, groups=2)
-        >>> layer.plan(torch.randn(8, 20)).backend in blockdiag.backends.names()
+        >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.backends()]
         True
         """
         x, w, b = _autocast(x, self.weight, self.bias)

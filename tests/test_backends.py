@@ -1,0 +1,279 @@
+"""Every registered backend against the plain references, on every device and dtype it declares.
+
+The parameter grid is read from the registry at collection time, so a backend registered later
+is covered without editing this file. A combination a backend declares unsupported is not
+skipped: the test asserts that asking for it raises :class:`BlockDiagError` with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blockdiag
+from blockdiag import BlockDiagError, Problem, grouped_linear
+from blockdiag.backends import get, names
+from blockdiag.testing import reference_loop, reference_scipy, tolerances
+
+from _params import CUDA, CUDA_MARKS
+
+
+BACKENDS = [pytest.param(n, id=n) for n in names()]
+DEVICE_DTYPES = [
+    pytest.param(dev, dt, id=f"{dev}-{str(dt).replace('torch.', '')}",
+                 marks=CUDA_MARKS if dev == "cuda" else [])
+    for dev in ("cpu", "cuda")
+    for dt in (torch.float32, torch.float64)
+]
+
+# (leading dims of x, groups, block_in, block_out)
+SHAPES = [
+    pytest.param((5,), 1, 3, 4, id="G1"),
+    pytest.param((7,), 3, 1, 1, id="block1x1"),
+    pytest.param((6,), 4, 5, 2, id="nonsquare-wide"),
+    pytest.param((4,), 2, 3, 7, id="nonsquare-tall"),
+    pytest.param((2, 3), 4, 4, 4, id="lead2d"),
+    pytest.param((), 3, 2, 5, id="no-lead"),
+    pytest.param((0,), 2, 3, 3, id="empty-batch"),
+    pytest.param((9,), 5, 12, 8, id="gcd4"),
+    pytest.param((3,), 50, 10, 10, id="forum"),
+]
+
+
+def _available(name: str) -> None:
+    why = get(name).unavailable_reason()
+    if why:
+        pytest.skip(f"backend {name!r} unavailable here: {why}")
+
+
+def _inputs(lead, g, i, o, dtype, device, bias=True):
+    x = torch.randn(*lead, g * i, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(g, o, i, dtype=dtype, device=device, requires_grad=True)
+    b = torch.randn(g * o, dtype=dtype, device=device, requires_grad=True) if bias else None
+    return x, w, b
+
+
+def _problem(lead, g, i, o, dtype, device, grad):
+    n = int(np.prod(lead)) if lead else 1
+    return Problem(n, g, i, o, dtype, device, grad)
+
+
+def _expect_decline(name, lead, g, i, o, dtype, device, grad):
+    """Return True (after checking the error) when ``name`` declares it cannot run this case."""
+    why = get(name).decline_reason(_problem(lead, g, i, o, dtype, device, grad))
+    if why is None:
+        return False
+    x, w, b = _inputs(lead, g, i, o, dtype, device)
+    with pytest.raises(BlockDiagError, match=name):
+        with torch.set_grad_enabled(grad):
+            grouped_linear(x if grad else x.detach(), w if grad else w.detach(), b if grad else None, backend=name)
+    return True
+
+
+def _scipy_grads(x, w, r):
+    """Gradients of ``sum(r * (x @ W.T + b))`` for the dense ``W = block_diag(*w)``, in numpy."""
+    g, o, i = w.shape
+    wd = scipy.linalg.block_diag(*w.detach().cpu().double().numpy())
+    x2 = x.detach().cpu().double().numpy().reshape(-1, g * i)
+    r2 = r.detach().cpu().double().numpy().reshape(-1, g * o)
+    dx = (r2 @ wd).reshape(x.shape)
+    dfull = r2.T @ x2
+    dw = np.stack([dfull[k * o:(k + 1) * o, k * i:(k + 1) * i] for k in range(g)])
+    db = r2.sum(0)
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(x.dtype) for a in (dx, dw, db)]
+
+
+@pytest.mark.parametrize("lead, g, i, o", SHAPES)
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_forward_backward_matches_references(name, device, dtype, lead, g, i, o):
+    _available(name)
+    if _expect_decline(name, lead, g, i, o, dtype, device, True):
+        return
+    tol = tolerances(dtype, max(i, int(np.prod(lead)) if lead else 1))
+    x, w, b = _inputs(lead, g, i, o, dtype, device)
+    y = grouped_linear(x, w, b, backend=name)
+    assert y.shape == (*lead, g * o) and y.dtype == dtype and y.device.type == device
+
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    yr = reference_loop(xr, wr, br)
+    torch.testing.assert_close(y, yr, **tol)
+    torch.testing.assert_close(y.cpu(), reference_scipy(x, w, b), **tol)
+
+    r = torch.randn_like(y)
+    gx, gw, gb = torch.autograd.grad((y * r).sum(), (x, w, b))
+    gxr, gwr, gbr = torch.autograd.grad((yr * r).sum(), (xr, wr, br))
+    for got, want in ((gx, gxr), (gw, gwr), (gb, gbr)):
+        assert got.layout == torch.strided and got.shape == want.shape
+        torch.testing.assert_close(got, want, **tol)
+    for got, want in zip((gx, gw, gb), _scipy_grads(x, w, r)):
+        torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_no_bias_and_forward_only(name, device, dtype):
+    _available(name)
+    lead, g, i, o = (6,), 3, 4, 5
+    if _expect_decline(name, lead, g, i, o, dtype, device, False):
+        return
+    x, w, _ = _inputs(lead, g, i, o, dtype, device, bias=False)
+    with torch.no_grad():
+        y = grouped_linear(x, w, None, backend=name)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, reference_loop(x, w, None).detach(), **tolerances(dtype))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_weight_only_grad(name):
+    """A frozen input (the usual case: data) still gives exact weight and bias gradients."""
+    _available(name)
+    x = torch.randn(8, 12, dtype=torch.float64)
+    w = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    if get(name).decline_reason(Problem(8, 3, 4, 2, torch.float64, "cpu", True)):
+        pytest.skip(f"{name} declines training")
+    gw, gb = torch.autograd.grad(grouped_linear(x, w, b, backend=name).square().sum(), (w, b))
+    rw, rb = torch.autograd.grad(reference_loop(x, w, b).square().sum(), (w, b))
+    torch.testing.assert_close(gw, rw)
+    torch.testing.assert_close(gb, rb)
+
+
+GRADCHECK_SHAPES = [
+    pytest.param((3,), 2, 3, 2, id="2x(3->2)"),
+    pytest.param((2, 2), 3, 2, 4, id="3x(2->4)-lead2d"),
+    pytest.param((4,), 1, 4, 4, id="G1"),
+]
+
+
+@pytest.mark.parametrize("lead, g, i, o", GRADCHECK_SHAPES)
+@pytest.mark.parametrize("device", [p for p in ("cpu", "cuda")], ids=str)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gradcheck_float64(name, device, lead, g, i, o):
+    if device == "cuda" and not CUDA:
+        pytest.skip("CUDA is not available")
+    _available(name)
+    if _expect_decline(name, lead, g, i, o, torch.float64, device, True):
+        return
+    x, w, b = _inputs(lead, g, i, o, torch.float64, device)
+    assert torch.autograd.gradcheck(lambda x, w, b: grouped_linear(x, w, b, backend=name), (x, w, b))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(0, 6),
+    g=st.integers(1, 6),
+    i=st.integers(1, 7),
+    o=st.integers(1, 7),
+    grad=st.booleans(),
+    bias=st.booleans(),
+)
+def test_hypothesis_shapes(name, n, g, i, o, grad, bias):
+    _available(name)
+    if _expect_decline(name, (n,), g, i, o, torch.float64, "cpu", grad):
+        return
+    x, w, b = _inputs((n,), g, i, o, torch.float64, "cpu", bias)
+    with torch.set_grad_enabled(grad):
+        y = grouped_linear(x, w, b, backend=name)
+        yr = reference_loop(x, w, b)
+    torch.testing.assert_close(y, yr)
+    if grad and n > 0:
+        params = (x, w) + ((b,) if bias else ())
+        r = torch.randn_like(y)
+        for got, want in zip(torch.autograd.grad((y * r).sum(), params), torch.autograd.grad((yr * r).sum(), params)):
+            torch.testing.assert_close(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    g=st.integers(1, 64),
+    i=st.integers(1, 24),
+    o=st.integers(1, 24),
+    grad=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_auto_never_picks_a_failing_backend(n, g, i, o, grad, dtype):
+    x = torch.randn(n, g * i, dtype=dtype, requires_grad=grad)
+    w = torch.randn(g, o, i, dtype=dtype, requires_grad=grad)
+    plan = blockdiag.GroupedLinear(g * i, g * o, g, dtype=dtype).plan(x)
+    assert get(plan.backend).decline_reason(Problem(n, g, i, o, dtype, "cpu", grad)) is None
+    y = grouped_linear(x, w, None)
+    torch.testing.assert_close(y, reference_loop(x, w, None), **tolerances(dtype, i))
+
+
+def test_registry_lists_every_backend_with_availability():
+    infos = blockdiag.backends()
+    assert [b.name for b in infos] == list(names())
+    assert {"loop", "dense", "bmm", "conv", "csr", "bsr"} <= {b.name for b in infos}
+    for b in infos:
+        assert b.available == (b.reason == "")
+        assert b.summary
+        assert b.name in str(b)
+
+
+def test_declared_constraints_are_data():
+    """Each backend states devices, dtypes and grad support as data; declines give reasons."""
+    for n in names():
+        be = get(n)
+        assert be.dtypes and all(isinstance(v, frozenset) for v in be.dtypes.values())
+        assert "cpu" in be.dtypes or "cuda" in be.dtypes
+        why = be.decline_reason(Problem(4, 2, 3, 3, torch.float64, "meta", False))
+        assert why and "meta" in why
+
+
+def test_unknown_backend_lists_valid_names():
+    x, w = torch.randn(2, 4), torch.randn(2, 3, 2)
+    with pytest.raises(BlockDiagError, match=r"unknown backend 'nope'.*'auto'.*'loop'.*'bsr'"):
+        grouped_linear(x, w, backend="nope")
+
+
+def test_register_duplicate_name_raises():
+    from blockdiag.backends._registry import register
+
+    with pytest.raises(BlockDiagError, match="already registered"):
+        register(get("loop"))
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape, match",
+    [
+        ((4, 7), (2, 3, 3), None, r"input has shape \(4, 7\).*in_features=6 \(groups=2 x block_in=3\)"),
+        ((4, 6), (6,), None, r"weight must be \[groups, block_out, block_in\], got shape \(6,\)"),
+        ((4, 6), (2, 3, 3), (5,), r"bias must have shape \(6,\), got \(5,\)"),
+        ((), (2, 3, 3), None, r"scalar"),
+    ],
+    ids=["wrong-last-dim", "1d-weight", "bias-shape", "scalar-input"],
+)
+def test_bad_shapes(x_shape, w_shape, b_shape, match):
+    b = torch.randn(*b_shape) if b_shape else None
+    with pytest.raises(BlockDiagError, match=match):
+        grouped_linear(torch.randn(x_shape), torch.randn(w_shape), b)
+
+
+def test_mixed_dtypes_raise():
+    with pytest.raises(BlockDiagError, match=r"float64.*float32|float32.*float64"):
+        grouped_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 3, 2))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA is not available")
+@pytest.mark.cuda
+def test_mixed_devices_raise():
+    with pytest.raises(BlockDiagError, match=r"cuda.*cpu|cpu.*cuda"):
+        grouped_linear(torch.randn(2, 4, device="cuda"), torch.randn(2, 3, 2))
+
+
+def test_mixed_devices_raise_on_meta():
+    # Exercised on every machine: the meta device stands in for a second device.
+    with pytest.raises(BlockDiagError, match=r"meta.*cpu|cpu.*meta"):
+        grouped_linear(torch.randn(2, 4, device="meta"), torch.randn(2, 3, 2))
+
+
+def test_integer_input_raises():
+    with pytest.raises(BlockDiagError, match="int64"):
+        grouped_linear(torch.ones(2, 4, dtype=torch.int64), torch.ones(2, 3, 2, dtype=torch.int64))

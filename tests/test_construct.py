@@ -1,0 +1,172 @@
+"""Builders, ``to_blocks`` and scipy interop against ``scipy.linalg.block_diag``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import scipy.sparse as sp
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockdiag import (
+    BlockDiagError,
+    block_diag_bsr,
+    block_diag_coo,
+    block_diag_csr,
+    block_diag_dense,
+    block_diag_mask,
+    from_scipy,
+    to_blocks,
+    to_scipy,
+)
+
+from _params import DEVICES, DTYPES
+
+BUILDERS = {
+    "dense": (block_diag_dense, torch.strided),
+    "csr": (block_diag_csr, torch.sparse_csr),
+    "bsr": (block_diag_bsr, torch.sparse_bsr),
+    "coo": (block_diag_coo, torch.sparse_coo),
+}
+
+
+def _scipy_dense(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(scipy.linalg.block_diag(*blocks.detach().cpu().numpy()))
+
+
+def _blocks(g, r, c, dtype=torch.float64, device="cpu", zeros=False):
+    b = torch.randn(g, r, c, dtype=dtype, device=device)
+    if zeros:  # explicit zeros inside a block must survive every layout
+        b[..., 0] = 0.0
+    return b
+
+
+@pytest.mark.parametrize("layout", list(BUILDERS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("g, r, c", [(1, 1, 1), (3, 2, 5), (4, 6, 4), (2, 1, 3)], ids=lambda v: str(v))
+def test_builder_matches_scipy(layout, device, dtype, g, r, c):
+    build, torch_layout = BUILDERS[layout]
+    b = _blocks(g, r, c, dtype, device, zeros=True)
+    m = build(b)
+    assert m.layout == torch_layout and m.shape == (g * r, g * c)
+    assert m.dtype == dtype and m.device.type == device
+    dense = m.to_dense() if layout != "dense" else m
+    torch.testing.assert_close(dense.cpu(), _scipy_dense(b))
+    if layout in ("csr", "coo"):
+        # exactly the block entries are stored: explicit zeros kept, nothing outside
+        assert m._nnz() == g * r * c
+        vals = m.values() if layout == "csr" else m.coalesce().values()
+        assert int((vals == 0).sum()) == g * r
+    if layout == "bsr":
+        assert m.values().shape == (g, r, c)  # default blocksize is the block shape
+    torch.testing.assert_close(to_blocks(m, g), b)
+
+
+def test_builders_accept_sequences_and_are_differentiable():
+    parts = [torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    for layout, (build, _) in BUILDERS.items():
+        m = build(parts)
+        dense = m if layout == "dense" else m.to_dense()
+        weights = torch.randn(dense.shape, dtype=torch.float64)
+        grads = torch.autograd.grad((dense * weights).sum(), parts)
+        for k, gk in enumerate(grads):
+            torch.testing.assert_close(gk, weights[2 * k:2 * k + 2, 3 * k:3 * k + 3], msg=layout)
+
+
+def test_dense_gradcheck():
+    b = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(block_diag_dense, (b,))
+
+
+def test_bsr_blocksize():
+    b = _blocks(2, 4, 6)
+    m = block_diag_bsr(b, blocksize=(2, 2))
+    assert m.values().shape[1:] == (2, 2)
+    torch.testing.assert_close(m.to_dense(), _scipy_dense(b))
+    with pytest.raises(BlockDiagError, match=r"blocksize.*\(3, 3\).*\(4, 6\)"):
+        block_diag_bsr(b, blocksize=(3, 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask(device):
+    m = block_diag_mask(3, (2, 4), device=device)
+    assert m.dtype == torch.bool and m.device.type == device
+    want = scipy.linalg.block_diag(*np.ones((3, 2, 4), dtype=bool))
+    assert (m.cpu().numpy() == want).all()
+    m[0, 0] = False  # a fresh tensor: mutating it must not corrupt the cache
+    assert bool(block_diag_mask(3, (2, 4), device=device)[0, 0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    g=st.integers(1, 6),
+    r=st.integers(1, 6),
+    c=st.integers(1, 6),
+    layout=st.sampled_from(["dense", "csr", "bsr", "coo", "scipy-csr", "scipy-bsr", "scipy-coo"]),
+    zeros=st.booleans(),
+)
+def test_roundtrip_hypothesis(g, r, c, layout, zeros):
+    b = _blocks(g, r, c, zeros=zeros)
+    if layout.startswith("scipy-"):
+        fmt = layout.split("-")[1]
+        m = to_scipy(BUILDERS[fmt][0](b))
+        assert m.format == fmt
+        np.testing.assert_array_equal(m.toarray(), _scipy_dense(b).numpy())
+        back = from_scipy(m, g, layout="blocks")
+        for out in ("dense", "csr", "bsr", "coo"):
+            torch.testing.assert_close(to_blocks(from_scipy(m, g, layout=out), g), b)
+    else:
+        back = to_blocks(BUILDERS[layout][0](b), g)
+    torch.testing.assert_close(back, b)
+
+
+def test_to_scipy_dense_and_from_scipy_dtype_device():
+    b = _blocks(2, 2, 3)
+    m = to_scipy(block_diag_dense(b))
+    assert m.format == "csr"
+    t = from_scipy(m, 2, layout="dense", dtype=torch.float32)
+    assert t.dtype == torch.float32
+    torch.testing.assert_close(t, _scipy_dense(b).float())
+
+
+@pytest.mark.parametrize("kind", ["dense", "csr", "coo", "bsr", "scipy"])
+def test_to_blocks_names_first_offdiagonal_nonzero(kind):
+    m = _scipy_dense(_blocks(3, 2, 2))
+    m[1, 4] = 7.5
+    m[5, 0] = 1.0
+    mat = {
+        "dense": lambda: m,
+        "csr": lambda: m.to_sparse_csr(),
+        "coo": lambda: m.to_sparse(),
+        "bsr": lambda: m.to_sparse_bsr((1, 1)),
+        "scipy": lambda: sp.csr_array(m.numpy()),
+    }[kind]()
+    with pytest.raises(BlockDiagError, match=r"to_blocks: .*\(6, 6\).*7\.5 at \(1, 4\)"):
+        to_blocks(mat, 3)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: to_blocks(torch.zeros(6, 4), 4), r"groups=4 must divide both dimensions.*\(6, 4\)"),
+        (lambda: to_blocks(torch.zeros(6), 2), r"matrix must be 2-D, got shape \(6,\)"),
+        (lambda: to_blocks([[1.0]], 1), r"matrix must be a torch tensor or a scipy sparse matrix, got list"),
+        (lambda: block_diag_dense(torch.zeros(2, 3)), r"blocks must be a \[G, rows, cols\] tensor, got shape \(2, 3\)"),
+        (lambda: block_diag_csr([torch.zeros(2, 3), torch.zeros(3, 2)]), r"blocks\[1\] has shape \(3, 2\) but blocks\[0\] has shape \(2, 3\)"),
+        (lambda: block_diag_coo([torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)]), r"float64.*float32|float32.*float64"),
+        (lambda: block_diag_dense(torch.zeros(2, 3, 3, dtype=torch.int64)), r"int64"),
+        (lambda: block_diag_dense([]), r"empty"),
+        (lambda: block_diag_mask(0, (2, 2)), r"groups must be a positive int, got 0"),
+        (lambda: block_diag_mask(2, (2,)), r"block_shape must be two positive ints"),
+        (lambda: from_scipy(sp.eye(4, format="csr"), 2, layout="csc"), r"layout='csc' is not one of"),
+        (lambda: to_scipy(torch.zeros(2, 2, 2)), r"2-D, got shape \(2, 2, 2\)"),
+    ],
+    ids=["groups-not-dividing", "1d-matrix", "not-a-matrix", "2d-blocks", "unequal-blocks",
+         "mixed-dtype", "int-blocks", "empty-blocks", "mask-groups", "mask-shape", "bad-layout", "3d-to-scipy"],
+)
+def test_bad_input(call, match):
+    with pytest.raises(BlockDiagError, match=match):
+        call()

@@ -1,0 +1,333 @@
+"""``GroupedLinear`` and ``GroupedMLP``: round trips with plain heads, training parity, persistence."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import blockdiag
+from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP
+from blockdiag.backends import get, names
+from blockdiag.testing import reference_loop, tolerances
+
+from _params import DEVICES, DTYPES
+
+
+
+def _runnable(name, device="cpu", dtype=torch.float64, grad=True, batch=8, g=4, i=3, o=2):
+    be = get(name)
+    return be.decline_reason(blockdiag.Problem(batch, g, i, o, dtype, device, grad)) is None
+
+
+FIXED = [pytest.param(n, id=n) for n in names()]
+
+
+def _heads(n, sizes, bias=True, act=nn.ReLU, device="cpu", dtype=torch.float64):
+    def head():
+        mods = []
+        for k in range(len(sizes) - 1):
+            mods.append(nn.Linear(sizes[k], sizes[k + 1], bias=bias, device=device, dtype=dtype))
+            if k < len(sizes) - 2:
+                mods.append(act())
+        return nn.Sequential(*mods)
+
+    return nn.ModuleList(head() for _ in range(n))
+
+
+# ---------------------------------------------------------------- GroupedLinear
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_shapes_and_parameters(device):
+    layer = GroupedLinear(12, 8, groups=4, device=device, dtype=torch.float64)
+    assert layer.weight.shape == (4, 2, 3) and layer.bias.shape == (8,)
+    assert layer.weight.device.type == device and layer.weight.dtype == torch.float64
+    for lead in [(), (5,), (2, 3), (0,)]:
+        x = torch.randn(*lead, 12, device=device, dtype=torch.float64)
+        y = layer(x)
+        assert y.shape == (*lead, 8)
+        torch.testing.assert_close(y, reference_loop(x, layer.weight, layer.bias))
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert GroupedLinear(12, 8, groups=4, bias=False).bias is None
+
+
+def test_default_init_matches_nn_linear_distribution():
+    torch.manual_seed(1)
+    layer = GroupedLinear(64 * 50, 8 * 50, groups=50)
+    ref = torch.cat([nn.Linear(64, 8).weight.detach().flatten() for _ in range(50)])
+    bound = 1 / 64**0.5
+    for w in (layer.weight.detach().flatten(), layer.bias.detach()):
+        assert w.abs().max() <= bound
+    w = layer.weight.detach().flatten()
+    # uniform(-b, b): std b/sqrt(3); both samples agree to within sampling error
+    assert abs(w.std() - ref.std()) < 0.05 * ref.std()
+    assert abs(w.std() - bound / 3**0.5) < 0.05 * bound
+
+
+def test_extra_repr_and_backend_setter():
+    layer = GroupedLinear(12, 8, groups=4, backend="bmm")
+    r = repr(layer)
+    assert "groups=4" in r and "block=3x2" in r and "backend='bmm'" in r
+    layer.backend = "loop"
+    assert layer.backend == "loop"
+    with pytest.raises(BlockDiagError, match=r"GroupedLinear.backend: unknown backend 'fast'; valid names are 'auto', 'loop'"):
+        layer.backend = "fast"
+    with pytest.raises(BlockDiagError, match=r"unknown backend 'fast'"):
+        GroupedLinear(12, 8, groups=4, backend="fast")
+
+
+def test_plan_is_readable_and_names_the_backend():
+    layer = GroupedLinear(500, 500, groups=50)
+    plan = layer.plan(torch.randn(32, 500))
+    assert plan.backend in names()
+    text = str(plan)
+    assert plan.backend in text and "50" in text
+    layer.backend = "loop"
+    assert layer.plan(torch.randn(32, 500)).backend == "loop"
+
+
+def test_fixed_backend_that_declines_raises():
+    layer = GroupedLinear(6, 6, groups=2, backend="conv")
+    with pytest.raises(BlockDiagError, match="conv"):
+        layer(torch.randn(0, 6))  # conv declines an empty batch; auto would not pick it
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((10, 8, 4), r"groups=4 must divide in_features=10 and out_features=8"),
+        ((12, 8, 0), r"groups must be a positive int, got 0"),
+        ((12, 8, 2.0), r"groups must be a positive int, got 2.0"),
+        ((0, 8, 2), r"in_features and out_features must be positive"),
+    ],
+    ids=["not-dividing", "zero-groups", "float-groups", "zero-features"],
+)
+def test_grouped_linear_bad_construction(args, match):
+    with pytest.raises(BlockDiagError, match=match):
+        GroupedLinear(*args)
+
+
+def test_grouped_linear_wrong_input():
+    layer = GroupedLinear(12, 8, groups=4)
+    with pytest.raises(BlockDiagError, match=r"input has shape \(5, 10\); its last dimension must be in_features=12"):
+        layer(torch.randn(5, 10))
+    with pytest.raises(BlockDiagError, match=r"float64.*float32|float32.*float64"):
+        layer(torch.randn(5, 12, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["auto"] + FIXED)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_linears_to_linears_roundtrip(device, name):
+    if name != "auto" and not _runnable(name, device):
+        pytest.skip(f"{name} does not run float64 training on {device}")
+    lins = [nn.Linear(3, 2, device=device, dtype=torch.float64) for _ in range(4)]
+    layer = GroupedLinear.from_linears(lins, backend=name)
+    x = torch.randn(8, 12, device=device, dtype=torch.float64)
+    xs = x.clone().requires_grad_()
+    y = layer(xs)
+    ref_x = x.clone().requires_grad_()
+    ref = torch.cat([lin(ref_x[:, 3 * k:3 * k + 3]) for k, lin in enumerate(lins)], -1)
+    torch.testing.assert_close(y, ref)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (ref * r).sum().backward()
+    torch.testing.assert_close(xs.grad, ref_x.grad)
+    for k, lin in enumerate(lins):
+        torch.testing.assert_close(layer.weight.grad[k], lin.weight.grad)
+        torch.testing.assert_close(layer.bias.grad[2 * k:2 * k + 2], lin.bias.grad)
+    back = layer.to_linears()
+    for a, b in zip(back, lins):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+        assert a.weight.device == b.weight.device and a.weight.dtype == b.weight.dtype
+
+
+def test_from_linears_bad_input():
+    with pytest.raises(BlockDiagError, match="linears is empty"):
+        GroupedLinear.from_linears([])
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] has weight shape \(2, 4\) but linears\[0\] has \(2, 3\)"):
+        GroupedLinear.from_linears([nn.Linear(3, 2), nn.Linear(4, 2)])
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] has no bias"):
+        GroupedLinear.from_linears([nn.Linear(3, 2), nn.Linear(3, 2, bias=False)])
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] is a ReLU"):
+        GroupedLinear.from_linears([nn.Linear(3, 2), nn.ReLU()])
+    with pytest.raises(BlockDiagError, match=r"float64.*float32|float32.*float64"):
+        GroupedLinear.from_linears([nn.Linear(3, 2), nn.Linear(3, 2).double()])
+
+
+# ---------------------------------------------------------------- GroupedMLP
+
+MLP_CASES = [
+    pytest.param(5, [8, 6, 4, 1], True, id="forum-like-shared"),
+    pytest.param(3, [4, 2], True, id="single-layer-shared"),
+    pytest.param(4, [3, 5, 2], False, id="split"),
+    pytest.param(1, [4, 3, 2], True, id="one-head"),
+]
+
+
+@pytest.mark.parametrize("name", ["auto"] + FIXED)
+@pytest.mark.parametrize("heads_n, sizes, shared", MLP_CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_heads_matches_heads_outputs_and_grads(device, heads_n, sizes, shared, name):
+    if name != "auto" and not _runnable(name, device, g=1):
+        pytest.skip(f"{name} does not run float64 training on {device}")
+    heads = _heads(heads_n, sizes, device=device)
+    model = GroupedMLP.from_heads(heads, shared_input=shared, backend=name)
+    n_in = sizes[0] * (1 if shared else heads_n)
+    x = torch.randn(2, 7, n_in, device=device, dtype=torch.float64)
+
+    def ref_forward(x):
+        if shared:
+            return torch.cat([h(x) for h in heads], -1)
+        return torch.cat([h(x[..., k * sizes[0]:(k + 1) * sizes[0]]) for k, h in enumerate(heads)], -1)
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = model(xa), ref_forward(xb)
+    assert y.shape == (2, 7, heads_n * sizes[-1])
+    torch.testing.assert_close(y, yr)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (yr * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    # every parameter's gradient matches its head's, after mapping back through to_heads layout
+    for k, layer in enumerate(model.layers):
+        o, i = sizes[k + 1], sizes[k]
+        gw = layer.weight.grad.reshape(heads_n, o, i)
+        gb = layer.bias.grad.reshape(heads_n, o)
+        for h, head in enumerate(heads):
+            torch.testing.assert_close(gw[h], head[2 * k].weight.grad)
+            torch.testing.assert_close(gb[h], head[2 * k].bias.grad)
+    back = model.to_heads()
+    for a, b in zip(back, heads):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+    x0 = x[0].detach()
+    torch.testing.assert_close(torch.cat([h(x0) for h in back], -1) if shared else ref_forward(x0), model(x0))
+
+
+def test_shared_input_first_layer_is_one_wide_matmul():
+    model = GroupedMLP(150, [10, 10], 1, heads=50)
+    assert model.layers[0].groups == 1 and model.layers[0].weight.shape == (1, 500, 150)
+    assert [layer.groups for layer in model.layers[1:]] == [50, 50]
+    assert model(torch.randn(3, 150)).shape == (3, 50)
+    split = GroupedMLP(150, 10, 1, heads=50, shared_input=False)
+    assert split.layers[0].groups == 50
+    with pytest.raises(BlockDiagError, match=r"input has shape \(3, 150\); its last dimension must be 7500 \(heads=50 x in_features=150\)"):
+        split(torch.randn(3, 150))
+
+
+def test_activation_and_no_bias():
+    heads = _heads(3, [4, 5, 2], bias=False, act=nn.Tanh)
+    model = GroupedMLP.from_heads(heads)
+    assert isinstance(model.activations[0], nn.Tanh) and model.layers[0].bias is None
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(model(x), torch.cat([h(x) for h in heads], -1))
+    hidden_free = GroupedMLP(4, [], 2, heads=3, dtype=torch.float64)
+    assert len(hidden_free.layers) == 1 and hidden_free(x).shape == (6, 6)
+
+
+@pytest.mark.parametrize("name", ["auto", "bmm", "dense", "loop"])
+def test_training_parity_50_steps(name):
+    torch.manual_seed(3)
+    heads = _heads(10, [15, 10, 10, 1], dtype=torch.float32)
+    model = GroupedMLP.from_heads(heads, backend=name)
+    xs, ys = torch.randn(64, 15), torch.randn(64, 10)
+    opt_a = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    opt_b = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    for step in range(50):
+        la = ((torch.cat([h(xs) for h in heads], -1) - ys) ** 2).mean()
+        lb = ((model(xs) - ys) ** 2).mean()
+        assert abs(la.item() - lb.item()) < 1e-4, f"step {step}: {la.item()} vs {lb.item()}"
+        first = first if first is not None else lb.item()
+        for opt, loss in ((opt_a, la), (opt_b, lb)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert lb.item() < 0.9 * first  # it trained, so the parity above compared moving models
+
+
+def test_from_heads_bad_input():
+    good = _heads(2, [4, 3, 1])
+    with pytest.raises(BlockDiagError, match="heads is empty"):
+        GroupedMLP.from_heads([])
+    with pytest.raises(BlockDiagError, match=r"heads\[0\] must be an nn.Sequential, got Linear"):
+        GroupedMLP.from_heads([nn.Linear(3, 2)])
+    bad = nn.ModuleList([good[0], _heads(1, [4, 5, 1])[0]])
+    with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\] is Linear with weight \(5, 4\).*heads\[0\]\[0\] has weight \(3, 4\)"):
+        GroupedMLP.from_heads(bad)
+    deeper = nn.ModuleList([good[0], _heads(1, [4, 3, 3, 1])[0]])
+    with pytest.raises(BlockDiagError, match=r"heads\[1\] has 5 modules but heads\[0\] has 3"):
+        GroupedMLP.from_heads(deeper)
+    other_act = nn.ModuleList([good[0], _heads(1, [4, 3, 1], act=nn.Tanh)[0]])
+    with pytest.raises(BlockDiagError, match=r"heads\[1\]\[1\] is Tanh but heads\[0\]\[1\] is ReLU"):
+        GroupedMLP.from_heads(other_act)
+    with pytest.raises(BlockDiagError, match=r"must be Sequential\(Linear, act, Linear"):
+        GroupedMLP.from_heads([nn.Sequential(nn.ReLU(), nn.Linear(2, 2))])
+    with pytest.raises(BlockDiagError, match=r"positive ints"):
+        GroupedMLP(4, [0], 2, heads=3)
+
+
+# ---------------------------------------------------------------- persistence
+
+
+def _switch_roundtrip(make, x, via):
+    a = make("auto")
+    want = a(x)
+    if via == "state_dict":
+        b = make("loop")
+        buf = io.BytesIO()
+        torch.save(a.state_dict(), buf)
+        buf.seek(0)
+        b.load_state_dict(torch.load(buf))
+    else:
+        b = pickle.loads(pickle.dumps(a))
+        assert b.backend == "auto"
+    b.backend = "dense"
+    torch.testing.assert_close(b(x), want)
+    b.backend = "bmm"
+    torch.testing.assert_close(b(x), want)
+    assert set(b.state_dict()) == set(a.state_dict())
+    for k, v in a.state_dict().items():
+        assert torch.equal(b.state_dict()[k], v)
+
+
+@pytest.mark.parametrize("via", ["state_dict", "pickle"])
+def test_grouped_linear_persistence_across_backends(via):
+    _switch_roundtrip(lambda n: GroupedLinear(12, 8, groups=4, backend=n, dtype=torch.float64),
+                      torch.randn(5, 12, dtype=torch.float64), via)
+
+
+@pytest.mark.parametrize("via", ["state_dict", "pickle"])
+def test_grouped_mlp_persistence_across_backends(via):
+    _switch_roundtrip(lambda n: GroupedMLP(6, [5, 4], 2, heads=3, backend=n, dtype=torch.float64),
+                      torch.randn(5, 6, dtype=torch.float64), via)
+
+
+def test_state_dict_is_backend_independent():
+    a = GroupedLinear(12, 8, groups=4, backend="csr")
+    b = copy.deepcopy(a)
+    b.backend = "conv"
+    assert {k: v.shape for k, v in a.state_dict().items()} == {k: v.shape for k, v in b.state_dict().items()}
+    assert a.state_dict()["weight"].shape == (4, 2, 3)
+
+
+def test_load_state_dict_wrong_shape_raises():
+    layer = GroupedLinear(12, 8, groups=4)
+    other = GroupedLinear(12, 8, groups=2).state_dict()
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight"):
+        layer.load_state_dict(other)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_module_to_device_dtype(device, dtype):
+    model = GroupedMLP(6, 4, 2, heads=3).to(device=device, dtype=dtype)
+    y = model(torch.randn(2, 6, device=device, dtype=dtype))
+    assert y.device.type == device and y.dtype == dtype
+    x = torch.randn(2, 6, device=device, dtype=dtype)
+    torch.testing.assert_close(model(x), torch.cat([h(x) for h in model.to_heads()], -1), **tolerances(dtype))
