@@ -19,8 +19,9 @@ from blockdiag.backends import get, names
 from blockdiag.backends.bsr import triton_applies
 from blockdiag.testing import reference_loop, tolerances
 
-CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")]
+from _params import CUDA_MARKS
+
+pytestmark = CUDA_MARKS
 
 DTYPES = [
     pytest.param(torch.float32, id="f32"),

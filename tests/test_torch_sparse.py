@@ -19,12 +19,8 @@ from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get
 from blockdiag.testing import reference_loop, reference_scipy, tolerances
 
-CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="CUDA is not available")]),
-]
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+from _params import DEVICES, DTYPES
+
 HAVE_TORCH_SPARSE = importlib.util.find_spec("torch_sparse") is not None
 
 
