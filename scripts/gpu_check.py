@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """One-shot GPU check of blockdiag: CUDA tests, correctness, timings, and the tuner.
 
-Run from the repository root on a machine with a CUDA device::
+Run from the repository root on a machine with a CUDA device (blockdiag need not be
+installed: the checkout is put on the path)::
 
-    python scripts/gpu_check.py --out gpu_check_out
+    PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check_out
+
+``--device cpu`` dry-runs every step on a small grid where there is no GPU.
 
 Steps (each prints progress, each failure is recorded in the report rather than stopping
 the run; a global time budget skips what would not fit):
@@ -106,7 +109,8 @@ def run_pytest(out: Path, timeout: float) -> dict:
     log(f"pytest: {' '.join(cmd[1:])} (timeout {timeout:.0f}s)")
     t = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                           capture_output=True, text=True, timeout=timeout)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {timeout:.0f}s", None
