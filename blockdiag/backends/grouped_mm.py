@@ -1,9 +1,9 @@
 """``grouped_mm``: one grouped GEMM over the ``G`` blocks through ``torch._grouped_mm``.
 
 torch runs ``_grouped_mm`` as one fused CUTLASS kernel only for bfloat16 on GPUs of compute
-capability 9.x or 10.x (Hopper, Blackwell datacenter); everywhere else it falls back to a
-plain ``bmm``/loop, which the ``bmm`` backend already does better. So the backend is
-declared for bfloat16 on CUDA only, and its constraint declines other GPUs.
+capability 9.x or 10.x (Hopper, Blackwell datacenter); everywhere else it falls back to the
+same ``bmm`` the ``bmm`` backend runs directly. So the backend is declared for bfloat16 on
+CUDA only, reports itself unavailable without such a GPU, and declines unaligned blocks.
 
 The kernel reads its operands through TMA, which needs 16-byte aligned base pointers and
 leading strides: with 2-byte elements both block sides must be multiples of 8. torch's own
