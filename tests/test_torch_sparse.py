@@ -140,7 +140,9 @@ def test_gradcheck():
 def test_double_backward_is_refused():
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
-    (gx,) = torch.autograd.grad(grouped_linear(x, w, backend="torch_sparse").sum(), (x,), create_graph=True)
+    y = grouped_linear(x, w, backend="torch_sparse")
+    v = torch.randn_like(y, requires_grad=True)
+    (gx,) = torch.autograd.grad(y, (x,), v, create_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         gx.sum().backward()
 
