@@ -72,6 +72,8 @@ class Backend:
         requires: an optional module it needs (imported lazily, only inside ``fn``).
         constraint: extra shape rules: returns the reason it declines a problem, or None.
         summary: one line for tables and docs.
+        probe: extra installation check beyond ``requires`` (a torch feature, a GPU
+            generation): returns why the backend cannot run here at all, or None.
     """
 
     name: str
@@ -82,20 +84,24 @@ class Backend:
     requires: Optional[str] = None
     constraint: Optional[Callable[[Problem], Optional[str]]] = None
     summary: str = ""
+    probe: Optional[Callable[[], Optional[str]]] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
         if self.requires and importlib.util.find_spec(self.requires) is None:
             return f"{self.requires.replace('_', '-')} is not installed"
+        if self.probe is not None:
+            return self.probe()
         return None
 
     def decline_reason(self, p: Problem) -> Optional[str]:
         """Why this backend cannot run ``p``, or None when it can."""
+        # The device first: it is a static fact, true whatever is installed.
+        if p.device not in self.dtypes:
+            return f"does not run on {p.device} (runs on {', '.join(sorted(self.dtypes))})"
         why = self.unavailable_reason()
         if why:
             return f"unavailable: {why}"
-        if p.device not in self.dtypes:
-            return f"does not run on {p.device} (runs on {', '.join(sorted(self.dtypes))})"
         if p.dtype not in self.dtypes[p.device]:
             ok = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes[p.device]))
             return f"does not support {str(p.dtype).replace('torch.', '')} on {p.device} (supports {ok})"

@@ -1,18 +1,29 @@
 """``bsr``: the block-diagonal weight as a torch ``sparse_bsr`` tensor.
 
-torch's BSR kernels need square blocks (MKL on CPU, cuSPARSE/Triton on CUDA), so each
-``out x in`` block is stored as square sub-blocks of side ``gcd(out, in)``; ``dense @ BSR``
-is not implemented on CPU, so the product runs as ``y^T = W_bsr @ x^T``. torch has no BSR
+torch's BSR kernels need square blocks (MKL on CPU; on CUDA cuSPARSE for float64 and
+Triton or a blocked-``bmm`` fallback for float16/bfloat16/float32), so each ``out x in``
+block is stored as square sub-blocks of side ``gcd(out, in)``; ``dense @ BSR`` is not
+implemented on CPU, so the product runs as ``y^T = W_bsr @ x^T``. torch has no BSR
 backward: the shared autograd function supplies it.
+
+On CUDA torch takes its Triton kernel when the sub-block side is a power of two of at
+least 16 and divides the batch (:func:`triton_applies`), and its blocked fallback
+otherwise; a side of 1 (coprime block sides) is refused there, since cuSPARSE asserts
+blocks larger than 1x1 (the ``csr`` backend is the same layout then).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..construct import _sparse_bsr, square_blocksize
-from ._registry import F32_F64, Backend, register
+from ._registry import F32_F64, FLOATS, Backend, Problem, register
 from ._sparse import sparse_block_linear
+
+# The dtypes torch's Triton BSR kernel accepts (torch/sparse/_triton_ops.py, check_dtype).
+TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
 def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -25,12 +36,49 @@ def bsr(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
     return sparse_block_linear(x, weight, bias, _spmm)
 
 
+def triton_applies(p: Problem) -> bool:
+    """Whether torch runs the forward product of ``p`` through its Triton BSR kernel.
+
+    Mirrors ATen's ``operands_support_triton_mm_kernel``: CUDA, float16/bfloat16/float32,
+    a square sub-block side that is a power of two of at least 16 and divides the number
+    of dense columns (the batch), and Triton installed.
+
+    >>> triton_applies(Problem(batch=64, groups=8, block_in=32, block_out=64, device="cpu"))
+    False
+
+    Args:
+        p: the problem.
+
+    Returns:
+        True when the Triton kernel would run the forward product.
+    """
+    s = square_blocksize(p.block_out, p.block_in)[0]
+    return (
+        p.device == "cuda"
+        and p.dtype in TRITON_DTYPES
+        and s >= 16
+        and s & (s - 1) == 0
+        and p.batch % s == 0
+        and importlib.util.find_spec("triton") is not None
+    )
+
+
+def _constraint(p: Problem) -> str | None:
+    if p.device == "cuda" and square_blocksize(p.block_out, p.block_in)[0] == 1:
+        return (
+            f"block {p.block_in}x{p.block_out} (in x out) has coprime sides, so its square "
+            "sub-blocks are 1x1, which torch's CUDA BSR product rejects (use 'csr')"
+        )
+    return None
+
+
 BACKEND = register(
     Backend(
         name="bsr",
         fn=bsr,
-        dtypes={"cpu": F32_F64, "cuda": F32_F64},
+        dtypes={"cpu": F32_F64, "cuda": FLOATS},
         sparse=True,
-        summary="torch sparse BSR product (square sub-blocks), per-block weight gradient",
+        constraint=_constraint,
+        summary="torch sparse BSR product (square sub-blocks; Triton on CUDA), per-block weight gradient",
     )
 )

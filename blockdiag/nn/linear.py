@@ -35,6 +35,29 @@ def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return Problem(n, g, i, o, x.dtype, x.device.type, grad)
 
 
+def _autocast(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast, cast the operands as autocast casts ``F.linear``'s: to its dtype.
+
+    Doing it before planning makes the output dtype the same whatever backend runs (torch
+    autocasts bmm and conv but not its sparse products) and lets a low-precision input
+    meet float32 parameters, as with ``nn.Linear``.
+    """
+    dev = x.device.type
+    if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
+        return x, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        # Autocast leaves float64 (and non-float) tensors alone; so does this.
+        if t is None or not t.is_floating_point() or t.dtype in (dt, torch.float64):
+            return t
+        return t.to(dt)
+
+    return cast(x), cast(weight), cast(bias)
+
+
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto"
 ) -> torch.Tensor:
@@ -58,6 +81,7 @@ def grouped_linear(
             backend that cannot run this input.
     """
     fn = "grouped_linear"
+    x, weight, bias = _autocast(x, weight, bias)
     p = _problem(fn, x, weight, bias)
     plan = plan_for(backend, p, fn)
     return _run(plan.backend, x, weight, bias)
@@ -152,10 +176,13 @@ class GroupedLinear(nn.Module):
         >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.backends()]
         True
         """
-        return plan_for(self.backend, _problem(type(self).__name__, x, self.weight, self.bias), type(self).__name__)
+        x, w, b = _autocast(x, self.weight, self.bias)
+        return plan_for(self.backend, _problem(type(self).__name__, x, w, b), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _run(self.plan(x).backend, x, self.weight, self.bias)
+        x, w, b = _autocast(x, self.weight, self.bias)
+        name = type(self).__name__
+        return _run(plan_for(self.backend, _problem(name, x, w, b), name).backend, x, w, b)
 
     def extra_repr(self) -> str:
         return (

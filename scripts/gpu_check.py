@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""One-shot GPU check of blockdiag: CUDA tests, correctness, timings, and the tuner.
+
+Run from the repository root on a machine with a CUDA device (blockdiag need not be
+installed: the checkout is put on the path)::
+
+    PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check_out
+
+``--device cpu`` dry-runs every step on a small grid where there is no GPU.
+
+Steps (each prints progress, each failure is recorded in the report rather than stopping
+the run; a global time budget skips what would not fit):
+
+1. environment: torch, CUDA, GPU, Triton, torch-sparse, every backend's availability;
+2. the CUDA test subset (``pytest -m cuda tests``), log in ``pytest.log``;
+3. every backend against a float64 reference, forward and gradients, float32 and bfloat16;
+4. every backend and ``auto`` timed over a small grid (CUDA events, median of repeats),
+   forward and forward+backward;
+5. ``python -m blockdiag tune --quick --device cuda`` if that command exists (its profile
+   is written into the output folder, never into the user's profile).
+
+Writes ``gpu_check.json`` (everything) and ``gpu_check.txt`` (a short summary) atomically
+into ``--out``. Sized to finish in under 6 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import blockdiag  # noqa: E402
+from blockdiag import Problem, grouped_linear  # noqa: E402
+from blockdiag.backends import get, names  # noqa: E402
+from blockdiag.backends.bsr import triton_applies  # noqa: E402
+from blockdiag.testing import reference_loop, tolerances  # noqa: E402
+
+T0 = time.perf_counter()
+# The device checked; ``--device cpu`` is a dry run of the script itself on a machine without one.
+DEV = "cuda"
+
+# (batch, groups, block_in, block_out): few large groups ... many tiny ones, and the forum's case.
+CHECK_SHAPES = [(64, 8, 32, 32), (48, 6, 24, 24), (40, 16, 16, 32), (17, 5, 3, 5)]
+TIME_SHAPES = [
+    (4096, 8, 128, 128),
+    (2048, 32, 64, 64),
+    (1024, 64, 32, 32),
+    (256, 512, 16, 16),
+    (8192, 16, 256, 256),
+    (64, 50, 10, 10),
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def remaining(budget: float) -> float:
+    return budget - (time.perf_counter() - T0)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "blockdiag": blockdiag.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    for mod in ("triton", "torch_sparse"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError as e:
+            env[mod] = f"not installed ({e})"
+    env["backends"] = {b.name: (b.reason or "available") for b in blockdiag.backends()}
+    return env
+
+
+def run_pytest(out: Path, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE", "tests"]
+    log(f"pytest: {' '.join(cmd[1:])} (timeout {timeout:.0f}s)")
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                           capture_output=True, text=True, timeout=timeout)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {timeout:.0f}s", None
+    write_atomic(out / "pytest.log", text if isinstance(text, str) else text.decode())
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b.* in [\d.]+s", ln)), "")
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    log(f"pytest: rc={rc} {summary}")
+    return {"rc": rc, "summary": summary, "failed": failed[:50], "seconds": round(time.perf_counter() - t, 1)}
+
+
+def _inputs(n, g, i, o, dtype):
+    x = torch.randn(n, g * i, device=DEV).to(dtype).requires_grad_()
+    w = ((torch.rand(g, o, i, device=DEV) * 2 - 1) / math.sqrt(i)).to(dtype).requires_grad_()
+    b = (torch.rand(g * o, device=DEV) * 0.2 - 0.1).to(dtype).requires_grad_()
+    return x, w, b
+
+
+def _uses_tf32(name: str, p: Problem) -> bool:
+    return p.dtype == torch.float32 and (
+        (name == "bsr" and triton_applies(p)) or (name == "conv" and torch.backends.cudnn.allow_tf32)
+    )
+
+
+def check_correctness() -> list[dict]:
+    rows = []
+    for dname, dtype in DTYPES.items():
+        for n, g, i, o in CHECK_SHAPES:
+            for name in names():
+                p = Problem(n, g, i, o, dtype, DEV, True)
+                row = {"backend": name, "dtype": dname, "shape": [n, g, i, o]}
+                why = get(name).decline_reason(p)
+                if why:
+                    row["declined"] = why
+                    rows.append(row)
+                    continue
+                try:
+                    x, w, b = _inputs(n, g, i, o, dtype)
+                    y = grouped_linear(x, w, b, backend=name)
+                    r = torch.randn_like(y)
+                    got = torch.autograd.grad((y * r).sum(), (x, w, b))
+                    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+                    yd = reference_loop(xd, wd, bd)
+                    want = torch.autograd.grad((yd * r.double()).sum(), (xd, wd, bd))
+                    tdt = torch.float16 if _uses_tf32(name, p) else dtype
+                    ok, errs = True, {}
+                    for key, a, e, k in [("y", y.detach(), yd.detach(), i)] + list(zip(("dx", "dw", "db"), got, want, (o, n, n))):
+                        mag = float(e.abs().max()) if e.numel() else 1.0
+                        err = float((a.double() - e).abs().max()) if e.numel() else 0.0
+                        errs[key] = err / max(mag, 1e-30)
+                        tol = tolerances(tdt, max(k, 1), mag)
+                        ok &= bool(torch.allclose(a.double(), e, atol=tol["atol"], rtol=tol["rtol"]))
+                    row.update(ok=ok, rel_err=errs, tf32=tdt != dtype)
+                except Exception as e:  # recorded in the report: the point of the script
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+                rows.append(row)
+    bad = [r for r in rows if r.get("ok") is False]
+    log(f"correctness: {sum(1 for r in rows if r.get('ok'))} ok, {len(bad)} failed, "
+        f"{sum(1 for r in rows if 'declined' in r)} declined")
+    for r in bad:
+        log(f"  FAIL {r['backend']} {r['dtype']} {r['shape']}: {r.get('error') or r.get('rel_err')}")
+    return rows
+
+
+def _time_us(fn, budget_s: float = 0.25, min_reps: int = 5, max_reps: int = 100) -> float:
+    """Median time of ``fn`` in microseconds: CUDA events on the GPU, a wall clock on CPU."""
+    cuda = DEV == "cuda"
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    stop = time.perf_counter() + budget_s
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < stop):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) * 1000.0)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def time_grid(budget: float) -> list[dict]:
+    rows = []
+    candidates = list(names()) + ["auto"]
+    for dname, dtype in DTYPES.items():
+        for n, g, i, o in TIME_SHAPES:
+            for mode in ("forward", "train"):
+                if remaining(budget) < 5:
+                    rows.append({"dtype": dname, "shape": [n, g, i, o], "mode": mode, "skipped": "time budget"})
+                    continue
+                train = mode == "train"
+                x, w, b = _inputs(n, g, i, o, dtype)
+                if not train:
+                    x, w, b = (t.detach() for t in (x, w, b))
+                p = Problem(n, g, i, o, dtype, DEV, train)
+                row = {"dtype": dname, "shape": [n, g, i, o], "mode": mode, "times_us": {}, "declined": {}}
+                row["auto_backend"] = blockdiag.choose(p).backend
+                for name in candidates:
+                    why = None if name == "auto" else get(name).decline_reason(p)
+                    if why:
+                        row["declined"][name] = why
+                        continue
+
+                    def step(name=name):
+                        y = grouped_linear(x, w, b, backend=name)
+                        if train:
+                            torch.autograd.grad(y.sum(), (x, w, b))
+
+                    try:
+                        row["times_us"][name] = round(_time_us(step), 2)
+                    except Exception as e:  # recorded in the report
+                        row["declined"][name] = f"ERROR {type(e).__name__}: {str(e)[:300]}"
+                t = row["times_us"]
+                if t:
+                    best = min((k for k in t if k != "auto"), key=t.get, default=None)
+                    row["best"] = best
+                    log(f"time {dname:8s} {mode:7s} {n}x{g}x{i}x{o}: best {best} {t.get(best)} us; "
+                        f"auto->{row['auto_backend']} {t.get('auto')} us")
+                rows.append(row)
+                del x, w, b
+    return rows
+
+
+def run_tune(out: Path, timeout: float) -> dict:
+    env = dict(os.environ, BLOCKDIAG_PROFILE=str(out / "profile.json"), PYTHONPATH=str(ROOT))
+    probe = subprocess.run([sys.executable, "-m", "blockdiag", "tune", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        log("tune: 'blockdiag tune' is not available in this checkout")
+        return {"available": False, "rc": probe.returncode, "output": (probe.stdout + probe.stderr)[-2000:]}
+    cmd = [sys.executable, "-m", "blockdiag", "tune", "--quick", "--device", DEV]
+    log(f"tune: {' '.join(cmd[1:])} (timeout {timeout:.0f}s)")
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {timeout:.0f}s", None
+    write_atomic(out / "tune.log", str(text))
+    res = {"available": True, "rc": rc, "output_tail": str(text)[-3000:]}
+    prof = out / "profile.json"
+    if prof.exists():
+        try:
+            res["profile"] = json.loads(prof.read_text())
+        except json.JSONDecodeError as e:
+            res["profile_error"] = str(e)
+    log(f"tune: rc={rc}")
+    return res
+
+
+def summarize(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        f"blockdiag gpu_check  {time.strftime('%Y-%m-%d %H:%M:%S')}  ({report['seconds']:.0f}s)",
+        f"GPU {env.get('gpu')} (cc {env.get('capability')}), torch {env['torch']} CUDA {env['torch_cuda']}, "
+        f"triton {env.get('triton')}, torch_sparse {env.get('torch_sparse')}",
+        "backends: " + ", ".join(f"{k}={'ok' if v == 'available' else v}" for k, v in env["backends"].items()),
+    ]
+    pt = report.get("pytest", {})
+    lines.append(f"pytest -m cuda: rc={pt.get('rc')} {pt.get('summary', pt.get('error', ''))}")
+    lines += [f"  {ln}" for ln in pt.get("failed", [])[:10]]
+    corr = report.get("correctness", [])
+    if isinstance(corr, list):
+        bad = [r for r in corr if r.get("ok") is False]
+        lines.append(f"correctness vs float64: {sum(1 for r in corr if r.get('ok'))} ok, {len(bad)} failed")
+        lines += [f"  FAIL {r['backend']} {r['dtype']} {r['shape']}: {r.get('error', r.get('rel_err'))}" for r in bad[:10]]
+    else:
+        lines.append(f"correctness: {corr}")
+    timing = report.get("timing", [])
+    if isinstance(timing, list):
+        lines.append("timings (median us; best backend / auto's pick):")
+        for r in timing:
+            t = r.get("times_us")
+            if not t:
+                lines.append(f"  {r['dtype']:8s} {r['mode']:7s} {r['shape']}: {r.get('skipped', 'nothing ran')}")
+                continue
+            best = r.get("best")
+            auto = t.get("auto")
+            ratio = f"{auto / t[best]:.2f}x best" if auto and best else "-"
+            others = " ".join(f"{k}={v:.0f}" for k, v in sorted(t.items(), key=lambda kv: kv[1]))
+            lines.append(f"  {r['dtype']:8s} {r['mode']:7s} {'x'.join(map(str, r['shape'])):16s} "
+                         f"best={best} auto->{r['auto_backend']} ({ratio}) | {others}")
+    tune = report.get("tune", {})
+    lines.append(f"tune --quick: available={tune.get('available')} rc={tune.get('rc')} {tune.get('error', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_check_out", help="output folder (created)")
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
+    ap.add_argument("--skip-pytest", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="'cpu' dry-runs the script (small grid) where there is no GPU")
+    ap.add_argument("--quick", action="store_true", help="time only the first two shapes")
+    args = ap.parse_args(argv)
+    global DEV, TIME_SHAPES
+    DEV = args.device
+    if args.quick or DEV == "cpu":
+        TIME_SHAPES = [(256, 8, 16, 16), (64, 50, 10, 10)]
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"environment": environment()}
+    log(f"environment: {json.dumps({k: v for k, v in report['environment'].items() if k != 'backends'})}")
+    if DEV == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: nothing to check")
+        report["seconds"] = time.perf_counter() - T0
+        write_atomic(out / "gpu_check.json", json.dumps(report, indent=1, default=str))
+        write_atomic(out / "gpu_check.txt", summarize(report))
+        return 2
+
+    steps = [
+        ("pytest", lambda: run_pytest(out, max(30.0, min(170.0, remaining(args.budget) - 150))),
+         not args.skip_pytest),
+        ("correctness", check_correctness, True),
+        ("timing", lambda: time_grid(args.budget - 100), True),
+        ("tune", lambda: run_tune(out, max(30.0, remaining(args.budget) - 10)), not args.skip_tune),
+    ]
+    for key, fn, enabled in steps:
+        if not enabled:
+            report[key] = {"skipped": "by option"}
+            continue
+        log(f"--- {key}")
+        try:
+            report[key] = fn()
+        except Exception as e:  # one broken step must not lose the others' results
+            report[key] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+            log(f"{key}: ERROR {type(e).__name__}: {e}")
+        report["seconds"] = time.perf_counter() - T0
+        # Written after every step, so a run stopped at its limit still leaves a report.
+        write_atomic(out / "gpu_check.json", json.dumps(report, indent=1, default=str))
+        write_atomic(out / "gpu_check.txt", summarize(report))
+    print(summarize(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
