@@ -1,0 +1,129 @@
+"""Backend support matrix for the docs, generated from the registry's declared constraints.
+
+Used as an mkdocs hook (``hooks:`` in mkdocs.yml): ``<!-- support-matrix -->`` in a page is
+replaced by the tables, ``<!-- decision-map -->`` by the decision-map picture (or, while
+``docs/img/decision-map.png`` has not been generated, by how to generate it), and
+``<!-- api-reference -->`` by one API entry per name in ``blockdiag.__all__``. Run as a script
+to print the tables: ``python docs/gen_support_matrix.py``.
+
+Everything comes from the registry (``Backend.dtypes``, ``grad``, ``sparse``, ``requires``,
+``constraint``), so a new backend appears here without editing the docs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Document the checkout being built, not whatever blockdiag happens to be installed.
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import blockdiag  # noqa: E402
+from blockdiag.backends._registry import Problem, names, registry  # noqa: E402
+
+DEVICES = ("cpu", "cuda")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Shapes that exercise the shape rules backends declare (empty batch, one group, thin and
+# square blocks, sizes that are not multiples of 8 or 16).
+PROBES = [
+    Problem(b, g, i, o, torch.float32, dev, grad)
+    for b, g, (i, o), dev, grad in itertools.product(
+        (0, 1, 32), (1, 4, 50), ((150, 10), (64, 64), (10, 10), (6, 4)), DEVICES, (False, True)
+    )
+]
+MAP = Path(__file__).resolve().parent / "img" / "decision-map.png"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _cell(backend, device: str, dtype: torch.dtype) -> str:
+    ok = backend.dtypes.get(device, frozenset())
+    if dtype not in ok:
+        return "–"
+    return "fwd + bwd" if backend.grad else "fwd"
+
+
+def _shape_rules(backend) -> str:
+    if backend.constraint is None:
+        return "none"
+    reasons = []
+    for p in PROBES:
+        if p.device not in backend.dtypes:
+            continue
+        why = backend.constraint(p)
+        if why and why not in reasons:
+            reasons.append(why)
+    return "; ".join(reasons) if reasons else "none on the probed shapes"
+
+
+def support_matrix_markdown() -> str:
+    """The support tables as Markdown."""
+    reg = registry()
+    cols = [(d, t) for d in DEVICES for t in DTYPES]
+    head = "| backend | layout | " + " | ".join(f"{d} {_short(t)}" for d, t in cols) + " |"
+    rule = "|" + "---|" * (2 + len(cols))
+    rows = [head, rule]
+    for n in names():
+        b = reg[n]
+        layout = "sparse" if b.sparse else "dense"
+        cells = " | ".join(_cell(b, d, t) for d, t in cols)
+        rows.append(f"| `{n}` | {layout} | {cells} |")
+    table = "\n".join(rows)
+
+    notes = ["| backend | needs | shape rules (why it declines a problem) | summary |", "|---|---|---|---|"]
+    for n in names():
+        b = reg[n]
+        needs = f"`{b.requires.replace('_', '-')}`" if b.requires else "torch only"
+        notes.append(f"| `{n}` | {needs} | {_shape_rules(b)} | {b.summary} |")
+    legend = (
+        "*fwd + bwd*: forward and backward (gradients for input, weight and bias); *fwd*: "
+        "forward only; *–*: declined (``auto`` skips it, a fixed ``backend=`` raises "
+        "`BlockDiagError` with the reason). *sparse* backends are candidates for ``auto`` "
+        "only above the sparsity threshold."
+    )
+    return f"{table}\n\n{legend}\n\n{chr(10).join(notes)}\n"
+
+
+def decision_map_markdown() -> str:
+    if MAP.exists():
+        return (
+            "![Decision map: the backend auto picks per (groups, block) shape]"
+            "(img/decision-map.png)\n"
+        )
+    return (
+        '!!! note "Decision map not generated yet"\n'
+        "    Generate it on the machine you care about with\n"
+        "    `blockdiag tune --plot docs/img/decision-map.png`; the docs build picks it up.\n"
+    )
+
+
+def api_reference_markdown() -> str:
+    """One mkdocstrings entry per public name, in ``blockdiag.__all__`` order."""
+    out = []
+    for name in blockdiag.__all__:
+        if name == "__version__":
+            out.append(f"## `__version__`\n\nThe package version, `{blockdiag.__version__!r}` in this build.\n")
+        else:
+            out.append(f"::: blockdiag.{name}\n")
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """mkdocs hook: fill in the generated sections."""
+    if "<!-- support-matrix -->" in markdown:
+        markdown = markdown.replace("<!-- support-matrix -->", support_matrix_markdown())
+    if "<!-- decision-map -->" in markdown:
+        markdown = markdown.replace("<!-- decision-map -->", decision_map_markdown())
+    if "<!-- api-reference -->" in markdown:
+        markdown = markdown.replace("<!-- api-reference -->", api_reference_markdown())
+    return markdown
+
+
+if __name__ == "__main__":
+    print(support_matrix_markdown())
