@@ -12,7 +12,10 @@ Everything comes from the registry (``Backend.dtypes``, ``grad``, ``sparse``, ``
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -103,12 +106,43 @@ def decision_map_markdown() -> str:
     )
 
 
+def _docstring_markdown(doc: str) -> str:
+    """A Google-style docstring as Markdown: ``>>>`` examples fenced, section titles bold."""
+    out, in_example = [], False
+    for line in inspect.cleandoc(doc).splitlines():
+        if line.startswith((">>>", "...")) and not in_example:
+            out.append("```pycon")
+            in_example = True
+        if in_example and not line.strip():
+            out.append("```")
+            in_example = False
+        if not in_example and line.rstrip(":") in ("Args", "Returns", "Raises") and line.endswith(":"):
+            line = f"**{line}**"
+        out.append(line)
+    if in_example:
+        out.append("```")
+    return "\n".join(out)
+
+
+def _manual_entry(name: str, obj) -> str:
+    sig = re.sub(r"\bblockdiag(\.\w+)*\.(?=[A-Z])", "", str(inspect.signature(obj)))
+    return (
+        f"## `{name}` {{ #blockdiag.{name} }}\n\n"
+        f"```python\nblockdiag.{name}{sig}\n```\n\n{_docstring_markdown(obj.__doc__ or '')}\n"
+    )
+
+
 def api_reference_markdown() -> str:
     """One mkdocstrings entry per public name, in ``blockdiag.__all__`` order."""
     out = []
     for name in blockdiag.__all__:
+        obj = getattr(blockdiag, name)
         if name == "__version__":
-            out.append(f"## `__version__`\n\nThe package version, `{blockdiag.__version__!r}` in this build.\n")
+            out.append(f"## `__version__`\n\nThe package version, `{obj!r}` in this build.\n")
+        elif not inspect.ismodule(obj) and importlib.util.find_spec(f"blockdiag.{name}") is not None:
+            # A public function named like a subpackage (``blockdiag.backends()``): static
+            # analysis would document the subpackage, so render the function from runtime.
+            out.append(_manual_entry(name, obj))
         else:
             out.append(f"::: blockdiag.{name}\n")
     return "\n".join(out)

@@ -2,11 +2,10 @@
 
 ``track_auto_ratio_to_best`` is the number to watch in the history: the time of ``auto``
 divided by the time of the fastest fixed backend on the same shape, measured in one process
-with interleaved repeats. 1.0 means the chooser picked the winner; a rise means dispatch
+with interleaved rounds (minimum per backend). 1.0 means the chooser picked the winner; a rise means dispatch
 quality regressed (a worse table, a wrong crossover, or new overhead in planning).
 """
 
-import statistics
 import timeit
 
 import torch
@@ -100,10 +99,11 @@ class AutoQuality:
 
     def track_auto_ratio_to_best(self, *_):
         times = {name: [] for name in self.steps}
-        # Interleaved rounds: machine noise hits every backend alike; medians drop outliers.
+        # Interleaved rounds so that machine noise hits every backend alike; the minimum over
+        # rounds is the least-disturbed measurement (noise on a shared machine only adds time).
         for _ in range(self.rounds):
             for name, step in self.steps.items():
                 times[name].append(self._time(step))
-        med = {name: statistics.median(ts) for name, ts in times.items()}
-        best = min(v for k, v in med.items() if k != "auto")
-        return med["auto"] / best
+        fastest = {name: min(ts) for name, ts in times.items()}
+        best = min(v for k, v in fastest.items() if k != "auto")
+        return fastest["auto"] / best
