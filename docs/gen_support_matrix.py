@@ -55,6 +55,10 @@ def _cell(backend, device: str, dtype: torch.dtype) -> str:
 def _shape_rules(backend) -> str:
     if backend.constraint is None:
         return "none"
+    why = backend.unavailable_reason()
+    if why:
+        # The registry asks a constraint only of an available backend: it may need the package.
+        return f"not probed (unavailable where these docs were built: {why})"
     reasons = []
     for p in PROBES:
         if p.device not in backend.dtypes:
@@ -68,28 +72,29 @@ def _shape_rules(backend) -> str:
 def support_matrix_markdown() -> str:
     """The support tables as Markdown."""
     reg = registry()
-    cols = [(d, t) for d in DEVICES for t in DTYPES]
-    head = "| backend | layout | " + " | ".join(f"{d} {_short(t)}" for d, t in cols) + " |"
-    rule = "|" + "---|" * (2 + len(cols))
-    rows = [head, rule]
-    for n in names():
-        b = reg[n]
-        layout = "sparse" if b.sparse else "dense"
-        cells = " | ".join(_cell(b, d, t) for d, t in cols)
-        rows.append(f"| `{n}` | {layout} | {cells} |")
-    table = "\n".join(rows)
+    tables = []
+    for device in DEVICES:
+        head = f"| backend ({device}) | layout | " + " | ".join(_short(t) for t in DTYPES) + " |"
+        rows = [head, "|" + "---|" * (2 + len(DTYPES))]
+        for n in names():
+            b = reg[n]
+            layout = "sparse" if b.sparse else "dense"
+            cells = " | ".join(_cell(b, device, t) for t in DTYPES)
+            rows.append(f"| `{n}` | {layout} | {cells} |")
+        tables.append("\n".join(rows))
+    table = "\n\n".join(tables)
+    legend = (
+        "*fwd + bwd*: forward and backward (gradients for input, weight and bias); *fwd*: "
+        "forward only; *–*: declined (`auto` skips it, a fixed `backend=` raises "
+        "`BlockDiagError` with the reason). *sparse* backends are candidates for `auto` "
+        "only above the sparsity threshold."
+    )
 
     notes = ["| backend | needs | shape rules (why it declines a problem) | summary |", "|---|---|---|---|"]
     for n in names():
         b = reg[n]
         needs = f"`{b.requires.replace('_', '-')}`" if b.requires else "torch only"
         notes.append(f"| `{n}` | {needs} | {_shape_rules(b)} | {b.summary} |")
-    legend = (
-        "*fwd + bwd*: forward and backward (gradients for input, weight and bias); *fwd*: "
-        "forward only; *–*: declined (``auto`` skips it, a fixed ``backend=`` raises "
-        "`BlockDiagError` with the reason). *sparse* backends are candidates for ``auto`` "
-        "only above the sparsity threshold."
-    )
     return f"{table}\n\n{legend}\n\n{chr(10).join(notes)}\n"
 
 
