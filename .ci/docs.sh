@@ -9,5 +9,6 @@ cd "$root"
 PYTHONPATH="$root" "$py" docs/quickstart_example.py
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
-"$py" -m mkdocs build --strict --site-dir "$site"
+# (NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about its successor on every build.)
+NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir "$site"
 echo "docs: ok ($(find "$site" -name '*.html' | wc -l) HTML pages)"

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Document the checkout being built, not whatever blockdiag happens to be installed.
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-import blockdiag  # noqa: E402
-from blockdiag.backends._registry import Problem, names, registry  # noqa: E402
+import blockdiag
+from blockdiag.backends._registry import Problem, names, registry
 
 DEVICES = ("cpu", "cuda")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -27,15 +27,10 @@ KNOWN_BACKENDS = ("loop", "dense", "bmm", "conv", "csr", "bsr", "torch_sparse", 
 TINY = os.environ.get("BLOCKDIAG_ASV_GRID", "") == "tiny"
 
 # Every known name first (stable indices), then any name only this installation registers.
-BACKENDS = list(KNOWN_BACKENDS) + [n for n in (b.name for b in blockdiag.backends()) if n not in KNOWN_BACKENDS]
+BACKENDS = list(KNOWN_BACKENDS) + [b.name for b in blockdiag.backends() if b.name not in KNOWN_BACKENDS]
 
 # The GPU parameter exists only where CUDA does (results are stored per machine).
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def registered() -> list[str]:
-    """Backend names registered in the installed blockdiag, in registration order."""
-    return [b.name for b in blockdiag.backends()]
 
 
 def grid(full, tiny):
