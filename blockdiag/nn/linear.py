@@ -113,7 +113,8 @@ class GroupedLinear(nn.Module):
         groups: number of independent blocks; must divide both feature counts.
         bias: learn an additive bias (``[out_features]``).
         backend: a registered backend name or ``"auto"`` (settable later as ``layer.backend``).
-        device, dtype: factory kwargs, as for ``nn.Linear``.
+        device: factory kwarg, as for ``nn.Linear``.
+        dtype: factory kwarg, as for ``nn.Linear``.
 
     Raises:
         BlockDiagError: groups not dividing the features, or an unknown backend name.

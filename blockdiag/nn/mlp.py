@@ -49,7 +49,8 @@ class GroupedMLP(nn.Module):
         bias: learn biases.
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name (settable later).
-        device, dtype: factory kwargs.
+        device: factory kwarg, as for ``nn.Linear``.
+        dtype: factory kwarg, as for ``nn.Linear``.
 
     Raises:
         BlockDiagError: non-positive sizes, or an unknown backend.

@@ -1,0 +1,76 @@
+"""The forum scenario: 50 independent heads ``150 -> 10 -> 10 -> 1`` reading one shared input.
+
+``loop`` is the forum's model (a Python loop over ``nn.Sequential`` heads, then ``cat``);
+``GroupedMLP`` is ``GroupedMLP.from_heads`` of the same heads (identical outputs).
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import blockdiag
+
+from .common import DEVICES, grid, require_device, sync
+
+HEADS, IN, HIDDEN, OUT = grid((50, 150, (10, 10), 1), (3, 6, (4,), 1))
+
+
+def _heads(device):
+    def head():
+        sizes = [IN, *HIDDEN, OUT]
+        mods = []
+        for k in range(len(sizes) - 1):
+            mods.append(nn.Linear(sizes[k], sizes[k + 1]))
+            if k < len(sizes) - 2:
+                mods.append(nn.ReLU())
+        return nn.Sequential(*mods)
+
+    return nn.ModuleList(head() for _ in range(HEADS)).to(device)
+
+
+class _LoopOfHeads(nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, x):
+        return torch.cat([h(x) for h in self.heads], dim=-1)
+
+
+class ForumMLP:
+    """Loop of heads vs ``GroupedMLP``: inference, and one Adam training step."""
+
+    params = (["loop", "GroupedMLP"], DEVICES, grid([64, 1024], [4]))
+    param_names = ["model", "device", "batch"]
+    repeat = (1, 5, 2.0)
+    warmup_time = 0.05
+
+    def setup(self, model, device, batch):
+        require_device(device)
+        torch.manual_seed(0)
+        heads = _heads(device)
+        if model == "loop":
+            self.model = _LoopOfHeads(heads)
+        else:
+            self.model = blockdiag.GroupedMLP.from_heads(copy.deepcopy(heads))
+        self.x = torch.randn(batch, IN, device=device)
+        self.y = torch.randn(batch, HEADS * OUT, device=device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.device = device
+        self.train_step()
+        sync(device)
+
+    def train_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+    def time_forward(self, *_):
+        with torch.no_grad():
+            self.model(self.x)
+        sync(self.device)
+
+    def time_train_step(self, *_):
+        self.train_step()
+        sync(self.device)
