@@ -176,6 +176,8 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str) -> None:
     sp.add_argument("--backends", type=lambda s: [v for v in s.split(",") if v], help="only these backends")
     sp.add_argument("--repeat", type=_positive, default=5, help="interleaved rounds per point (median; default 5)")
     sp.add_argument("--min-time", type=_nonneg_float, default=2e-3, help="seconds per sample (default 0.002)")
+    sp.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="statistic over the rounds (default median; min on a busy shared machine)")
     sp.add_argument("--max-gflop", type=_nonneg_float, default=float("inf"),
                     help="skip points whose forward product exceeds this many GFLOP")
     sp.add_argument("--profile", help="profile file (default $BLOCKDIAG_PROFILE or the user cache directory)")
@@ -194,7 +196,8 @@ def cmd_tune(args) -> int:
         file=sys.stderr,
     )
     entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
-                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, progress=sys.stderr)
+                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
+                 progress=sys.stderr)
     path = args.profile or prof.default_profile_path()
     doc, _ = prof.read_profile(path)
     key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
@@ -253,7 +256,7 @@ def cmd_bench(args) -> int:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
-                     progress=sys.stderr)
+                     stat=args.stat, progress=sys.stderr)
     names_ = sorted({n for r in rows for n in r.get("times_us", {})})
     head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n:>9s}" for n in names_)
     head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
@@ -279,6 +282,7 @@ def cmd_bench(args) -> int:
     if args.json:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+               "statistic": args.stat, "rounds": args.repeat, "argv": sys.argv[1:],
                "summary": summary, "rows": rows}
         _write_json_atomic(args.json, out)
         print(f"wrote {args.json}")

@@ -206,6 +206,7 @@ def measure(
     min_time: float = 2e-3,
     prune: float = 3.0,
     keep: Iterable[str] = (),
+    stat: str = "median",
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Median seconds per call of each step, interleaved; ``(times, failures)``.
 
@@ -217,11 +218,15 @@ def measure(
         prune: after the first round, steps slower than ``prune`` x the best are not rerun
             (0 disables this).
         keep: steps never pruned (and not counted as the best).
+        stat: ``"median"`` of the samples, or ``"min"`` (on a machine shared with other
+            jobs the noise only ever adds time, and the minimum is the robust estimate).
 
     Returns:
         ``({name: seconds}, {name: error message})``; a step that raised is reported in the
         second dict and not timed.
     """
+    if stat not in STATS:
+        raise BlockDiagError(f"measure: stat must be one of {', '.join(STATS)}, got {stat!r}")
     reps: dict[str, int] = {}
     failures: dict[str, str] = {}
     samples: dict[str, list[float]] = {}
@@ -257,7 +262,11 @@ def measure(
                 run()
             _sync(device)
             samples[name].append((time.perf_counter() - t0) / n)
-    return {n: statistics.median(v) for n, v in samples.items()}, failures
+    agg = STATS[stat]
+    return {n: agg(v) for n, v in samples.items()}, failures
+
+
+STATS = {"median": statistics.median, "min": min}
 
 
 def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str], dict[str, str]]:
@@ -292,6 +301,7 @@ def tune(
     rounds: int = 5,
     min_time: float = 2e-3,
     max_gflop: float = float("inf"),
+    stat: str = "median",
     progress: Optional[TextIO] = None,
 ) -> dict:
     """Measure every runnable backend over ``grid``; returns a profile entry (not saved).
@@ -301,7 +311,7 @@ def tune(
         device, dtype: what to measure on.
         modes: ``"forward"`` and/or ``"train"`` (forward + backward).
         backends: names to measure (default: all registered).
-        rounds, min_time: see :func:`measure`.
+        rounds, min_time, stat: see :func:`measure`.
         max_gflop: points whose forward product exceeds this many GFLOP are not measured
             (the chooser uses the nearest measured point for them).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
@@ -320,7 +330,7 @@ def tune(
     for p in problems:
         ok, skipped = _runnable(p, backends)
         x, w, b, gy = _inputs(p)
-        times, failed = measure({n: _backend_step(n, x, w, b, gy) for n in ok}, device, rounds, min_time)
+        times, failed = measure({n: _backend_step(n, x, w, b, gy) for n in ok}, device, rounds, min_time, stat=stat)
         row = {
             "mode": p.mode,
             "batch": p.batch,
@@ -341,6 +351,8 @@ def tune(
         "dtype": str(dtype).replace("torch.", ""),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
+        "statistic": stat,
+        "rounds": rounds,
         "settings": derive_settings(measurements),
         "measurements": measurements,
     }
@@ -458,12 +470,13 @@ def bench(
     baselines: bool = True,
     memory: bool = True,
     max_gflop: float = float("inf"),
+    stat: str = "median",
     progress: Optional[TextIO] = None,
 ) -> list[dict]:
     """Time every backend, ``auto``, the ideal GEMM and the baselines at each grid point.
 
     Args:
-        grid, device, dtype, modes, backends, rounds, min_time, progress: as for :func:`tune`.
+        grid, device, dtype, modes, backends, rounds, min_time, stat, progress: as for :func:`tune`.
         baselines: also time a loop of ``nn.Linear`` and ``torch.func.vmap`` ensembling.
         memory: record each backend's peak tensor memory of one call (forward+backward in
             training) with :func:`peak_memory`.
@@ -499,7 +512,7 @@ def bench(
             steps["vmap"] = _vmap_step(p, x, gy)
         extra = ("auto", "ideal", "nn_linear_loop", "vmap")
         # auto and the references are never pruned: their times are the point of the run.
-        times, failed = measure(steps, device, rounds, min_time, keep=extra)
+        times, failed = measure(steps, device, rounds, min_time, keep=extra, stat=stat)
         if "auto" in failed or "ideal" in failed:
             raise BlockDiagError(f"bench: {p.describe()}: auto or the ideal GEMM failed: {failed}")
         bt = {n: t for n, t in times.items() if n not in extra}
