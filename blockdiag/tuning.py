@@ -233,16 +233,25 @@ def measure(
     for name, run in steps.items():
         try:
             run()  # warm-up: allocator, lazy init, oneDNN primitive caches
-            _sync(device)
-            t0 = time.perf_counter()
-            run()
-            _sync(device)
-            dt = time.perf_counter() - t0
+            # Calibrate like timeit.autorange: one call can be a stall (a parked worker
+            # thread waking up), so time growing batches until one lasts min_time.
+            n, dt = 1, 0.0
+            while True:
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    run()
+                _sync(device)
+                total = time.perf_counter() - t0
+                dt = total / n
+                if total >= min_time or n >= 1000:
+                    break
+                n = min(1000, n * 4)
         except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
             failures[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
-        reps[name] = max(1, min(1000, math.ceil(min_time / max(dt, 1e-7)))) if dt < min_time else 1
-        samples[name] = [dt] if reps[name] == 1 else []
+        reps[name] = n
+        samples[name] = [dt] if n == 1 else []
     order = list(samples)
     for r in range(rounds):
         if r == 1 and prune:
@@ -256,6 +265,8 @@ def measure(
             if r == 0 and reps[name] == 1 and samples[name]:
                 continue  # the timed warm-up run is this round's sample
             run, n = steps[name], reps[name]
+            if n > 1:
+                run()  # untimed: wakes the thread pool, so the sample measures the op, not the wake-up
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(n):

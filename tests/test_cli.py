@@ -126,7 +126,7 @@ def test_measure_reports_failures_and_prunes():
 
     times, failed = measure({"fast": lambda: None, "slow": slow, "broken": broken}, "cpu", rounds=4, min_time=0.0)
     assert set(times) == {"fast", "slow"} and "not implemented here" in failed["broken"]
-    assert calls["slow"] == 2  # warm-up and one timed run, then pruned
+    assert calls["slow"] == 2  # warm-up and one timed (calibration) run, then pruned
 
 
 def test_derive_settings_finds_the_sparse_crossover():
