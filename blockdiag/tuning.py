@@ -1,9 +1,11 @@
 """Measuring backends: the engine behind ``blockdiag tune``, ``bench`` and ``--plot``.
 
-Every figure here is a median over interleaved rounds: within a round each backend runs
-once (in rotating order), so slow drifts of a shared machine hit all of them alike. A
-sample runs the product enough times to last about ``min_time`` seconds, so the timer's
-resolution does not matter for small shapes. A backend more than ``prune`` times slower
+Every figure here is a median (or, with ``stat="min"``, the minimum) over interleaved
+rounds: within a round each backend runs once (in rotating order), so slow drifts of a
+shared machine hit all of them alike. A sample runs the product enough times to last
+about ``min_time`` seconds (calibrated like ``timeit.autorange``, after an untimed call
+that wakes the thread pool), so neither the timer's resolution nor a parked worker
+thread decides the figure for small shapes. A backend more than ``prune`` times slower
 than the best after the first round is not run again at that point (its one sample is
 kept): the slow layouts would otherwise dominate the run time.
 
@@ -208,7 +210,7 @@ def measure(
     keep: Iterable[str] = (),
     stat: str = "median",
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """Median seconds per call of each step, interleaved; ``(times, failures)``.
+    """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
 
     Args:
         steps: name -> no-argument callable.

@@ -164,7 +164,7 @@ class GroupedLinear(nn.Module):
         """The backend this layer uses for ``x`` and why (print it for a report).
 
         >>> layer = GroupedLinear(20, 20, groups=2)
-        >>> layer.plan(torch.randn(8, 20)).backend in blockdiag.backends.names()
+        >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.backends()]
         True
         """
         return plan_for(self.backend, _problem(type(self).__name__, x, self.weight, self.bias), type(self).__name__)
