@@ -450,19 +450,31 @@ def peak_memory(step: Callable[[], None]) -> int:
     Counts every tensor an operator returns, on any device, until it is freed; library
     scratch space (MKL, oneDNN workspaces) is not seen.
 
-    >>> peak_memory(lambda: torch.ones(256) * 2) >= 1024
-    True
+    >>> x = torch.ones(256)
+    >>> peak_memory(lambda: x * 2), peak_memory(lambda: x.view(16, 16).t())
+    (1024, 0)
     """
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     live = _LiveBytes()
 
+    def ptrs(tree) -> set:
+        out = set()
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                out.add(t.untyped_storage().data_ptr())
+        return out
+
     class _Track(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            # Views and in-place results share an argument's storage: nothing was allocated.
+            shared = ptrs((args, kwargs))
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and (
+                    t.layout != torch.strided or t.untyped_storage().data_ptr() not in shared
+                ):
                     live.add(t)
             return out
 
