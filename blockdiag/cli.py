@@ -105,6 +105,206 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in s.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {s!r}")
+    return out
+
+
+def _block(s: str) -> tuple[int, int]:
+    parts = s.lower().split("x")
+    try:
+        i, o = (int(v) for v in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a block is IN x OUT such as 150x10, got {s!r}") from None
+    if i < 1 or o < 1:
+        raise argparse.ArgumentTypeError(f"block sizes must be positive, got {s!r}")
+    return i, o
+
+
+def _blocks(s: str) -> tuple[tuple[int, int], ...]:
+    return tuple(_block(v) for v in s.split(",") if v.strip())
+
+
+def _dtype(s: str) -> torch.dtype:
+    d = getattr(torch, s, None)
+    if not isinstance(d, torch.dtype):
+        raise argparse.ArgumentTypeError(f"unknown dtype {s!r} (e.g. float32, float64, bfloat16)")
+    return d
+
+
+def _nonneg_float(s: str) -> float:
+    v = float(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _modes(args) -> tuple[str, ...]:
+    return ("forward", "train") if args.mode == "both" else (args.mode,)
+
+
+def _grid(args, default: str):
+    from .tuning import GRIDS, Grid
+
+    base = GRIDS["full" if args.full else "quick" if args.quick else default]
+    return Grid(args.batch or base.batch, args.groups or base.groups, args.blocks or base.blocks)
+
+
+def _check_backends(names_: Sequence[str] | None) -> None:
+    from .backends import get
+
+    for n in names_ or ():
+        get(n, "--backends")
+
+
+def _add_grid_options(sp: argparse.ArgumentParser, default: str) -> None:
+    sp.add_argument("--device", default="cpu", help="device type to measure on (default cpu)")
+    sp.add_argument("--dtype", type=_dtype, default=torch.float32, help="default float32")
+    sp.add_argument("--mode", choices=("forward", "train", "both"), default="both",
+                    help="forward only, forward+backward, or both (default)")
+    size = sp.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=f"the small grid{' (default)' if default == 'quick' else ''}")
+    size.add_argument("--full", action="store_true", help=f"the full grid{' (default)' if default == 'full' else ''}")
+    sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")
+    sp.add_argument("--groups", type=_int_list, help="override the grid's group counts, e.g. 4,50")
+    sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")
+    sp.add_argument("--backends", type=lambda s: [v for v in s.split(",") if v], help="only these backends")
+    sp.add_argument("--repeat", type=_positive, default=5, help="interleaved rounds per point (median; default 5)")
+    sp.add_argument("--min-time", type=_nonneg_float, default=2e-3, help="seconds per sample (default 0.002)")
+    sp.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="statistic over the rounds (default median; min on a busy shared machine)")
+    sp.add_argument("--max-gflop", type=_nonneg_float, default=float("inf"),
+                    help="skip points whose forward product exceeds this many GFLOP")
+    sp.add_argument("--profile", help="profile file (default $BLOCKDIAG_PROFILE or the user cache directory)")
+
+
+def cmd_tune(args) -> int:
+    from . import profile as prof
+    from .tuning import merge_entry, plot_decision_map, tune
+
+    _check_backends(args.backends)
+    grid = _grid(args, "quick")
+    modes = _modes(args)
+    print(
+        f"blockdiag tune: {len(grid) * len(modes)} points on {prof.device_name(args.device)}, "
+        f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}",
+        file=sys.stderr,
+    )
+    entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
+                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
+                 progress=sys.stderr)
+    path = args.profile or prof.default_profile_path()
+    doc, _ = prof.read_profile(path)
+    key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
+    entry = merge_entry((doc or {}).get("entries", {}).get(key), entry)
+    written = prof.save_entry(entry, path)
+    wins: dict[str, int] = {}
+    for m in entry["measurements"]:
+        if m["times_us"]:
+            best = min(m["times_us"], key=m["times_us"].get)
+            wins[best] = wins.get(best, 0) + 1
+    print(f"wrote {written} (entry {key!r})")
+    print("winners: " + ", ".join(f"{n} {k}" for n, k in sorted(wins.items(), key=lambda kv: -kv[1])))
+    s = entry["settings"]
+    thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
+    print(f"measured sparsity_threshold: {thr}; dense_max_groups: {s['dense_max_groups']}; "
+          f"dense_max_elements: {s['dense_max_elements']}")
+    if args.plot:
+        print(f"decision map: {plot_decision_map(entry, args.plot)}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .backends import Problem
+    from .dispatch import choose
+    from .settings import config
+
+    p = Problem(args.batch, args.groups, args.block[0], args.block[1], args.dtype, args.device, args.train)
+    if args.profile:
+        with config(profile=args.profile):
+            plan = choose(p)
+    else:
+        plan = choose(p)
+    print(plan)
+    return 0
+
+
+def _fmt_us(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1000:.2f}ms" if v >= 10000 else f"{v:.0f}us" if v >= 100 else f"{v:.1f}us"
+
+
+def cmd_bench(args) -> int:
+    import contextlib
+    import json
+
+    from . import profile as prof
+    from .settings import config
+    from .tuning import bench, summarize
+
+    _check_backends(args.backends)
+    grid = _grid(args, "full")
+    modes = _modes(args)
+    ctx = config(profile=args.profile) if args.profile else contextlib.nullcontext()
+    with ctx:
+        rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
+                     rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
+                     memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
+                     stat=args.stat, progress=sys.stderr)
+    names_ = sorted({n for r in rows for n in r.get("times_us", {})})
+    head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n:>9s}" for n in names_)
+    head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
+    print(head)
+    for r in rows:
+        lead = f"{r['mode']:7s} {r['batch']:5d} {r['groups']:4d} {str(r['block_in']) + 'x' + str(r['block_out']):>8s} "
+        if "skipped_point" in r:
+            print(lead + f"skipped: {r['skipped_point']}")
+            continue
+        t = r["times_us"]
+        bl = r.get("baselines_us", {})
+        xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
+        xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
+        print(lead + " ".join(f"{_fmt_us(t.get(n)):>9s}" for n in names_)
+              + f" {_fmt_us(r['auto_us']):>9s} {r['auto']:>8s} {r['auto_over_fastest']:6.2f}"
+              + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}")
+    skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
+    if skipped:
+        print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
+    summary = summarize(rows)
+    for mode, s in summary.items():
+        print(f"{mode}: " + ", ".join(f"{k}={v}" for k, v in s.items()))
+    if args.json:
+        out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+               "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+               "statistic": args.stat, "rounds": args.repeat, "argv": sys.argv[1:],
+               "summary": summary, "rows": rows}
+        _write_json_atomic(args.json, out)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    import json
+    import os
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockdiag", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -119,6 +319,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("tune", help="measure the backends on this machine and write a tuning profile")
+    _add_grid_options(t, "quick")
+    t.add_argument("--plot", metavar="FILE.png", help="also draw the decision map (needs matplotlib)")
+    t.set_defaults(func=cmd_tune)
+
+    e = sub.add_parser("explain", help="print the plan auto follows for one shape, and why")
+    e.add_argument("--batch", type=_positive, required=True)
+    e.add_argument("--groups", type=_positive, required=True)
+    e.add_argument("--block", type=_block, required=True, help="IN x OUT, e.g. 10x10 or 150x10")
+    e.add_argument("--train", action="store_true", help="plan for forward+backward")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", type=_dtype, default=torch.float32)
+    e.add_argument("--profile", help="profile file to use")
+    e.set_defaults(func=cmd_explain)
+
+    b = sub.add_parser("bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid")
+    _add_grid_options(b, "full")
+    b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
+    b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -28,23 +28,34 @@ from . import profile as _profile
 from ._errors import BlockDiagError
 from .backends import Problem, get, names
 
-__all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER"]
+__all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "nearest_measurement"]
 
-# Used when no measured table covers the problem: the order of the landscape's geomean ranks.
+# Used when no measured table covers the problem: measured geomean ranks on each device type.
 FALLBACK_ORDER = {
-    "cpu": ("bmm", "loop", "conv", "dense", "csr", "bsr", "torch_sparse"),
-    "cuda": ("bmm", "grouped_mm", "loop", "dense", "conv", "bsr", "csr", "torch_sparse"),
+    "cpu": ("bmm_fm", "bmm", "loop", "conv", "dense", "csr", "bsr", "torch_sparse"),
+    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "dense", "conv", "bsr", "csr", "torch_sparse"),
 }
+
+SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One backend's standing in a plan."""
+    """One backend's standing in a plan.
+
+    Attributes:
+        name: the backend.
+        ok: whether it may run this problem (``False``: declined, see ``note``).
+        estimate_us: its time from the table in microseconds, or None where not measured.
+        note: why it was declined, or how the time was obtained.
+        measured: the time was measured at exactly this shape (not scaled from a neighbour).
+    """
 
     name: str
     ok: bool
     estimate_us: Optional[float]
     note: str
+    measured: bool = False
 
     def __str__(self) -> str:
         est = f"{self.estimate_us:10.1f} us" if self.estimate_us is not None else "         -   "
@@ -56,10 +67,20 @@ class Candidate:
 class Plan:
     """The backend chosen for a problem, why, and how every candidate fared.
 
+    ``str(plan)`` is the report ``blockdiag explain`` prints.
+
     >>> from blockdiag.backends import Problem
     >>> plan = choose(Problem(batch=256, groups=50, block_in=10, block_out=10))
     >>> plan.backend in names()
     True
+
+    Attributes:
+        backend: the chosen backend's name.
+        problem: what was planned for.
+        reason: one sentence on why.
+        source: which table ranked the candidates.
+        candidates: every registered backend, runnable ones first, fastest first.
+        settings: ``(name, value, where the value came from)`` for each setting used.
     """
 
     backend: str
@@ -77,12 +98,9 @@ class Plan:
             f"  table:   {self.source}",
         ]
         if self.settings:
-            lines.append(
-                "  settings: "
-                + "; ".join(f"{k}={v!r} ({src})" for k, v, src in self.settings if k != "profile")
-            )
+            lines.append("  settings: " + "; ".join(f"{k}={v!r} ({src})" for k, v, src in self.settings))
         if self.candidates:
-            lines.append("  candidates (estimated time at this shape):")
+            lines.append("  candidates (time at this shape; declined ones last):")
             lines += [str(c) for c in self.candidates]
         return "\n".join(lines)
 
@@ -102,20 +120,24 @@ def _distance(p: Problem, m: dict) -> float:
     )
 
 
-def _resolved_settings(entry: Optional[dict]) -> tuple[tuple[str, object, str], ...]:
-    prof = (entry or {}).get("settings", {}) if entry else {}
-    out = []
-    for k in ("sparsity_threshold", "dense_max_groups", "dense_max_elements"):
-        v, src = _config.resolve(k, prof.get(k))
-        out.append((k, v, src))
-    return tuple(out)
+def _resolved_settings(entry: Optional[dict], label: str) -> tuple[tuple[str, object, str], ...]:
+    prof = (entry or {}).get("settings", {})
+    return tuple((k, *_config.resolve(k, prof.get(k), label)) for k in SETTINGS_USED)
 
 
 def choose(problem: Problem) -> Plan:
-    """The plan ``backend="auto"`` follows for ``problem``.
+    """The plan ``backend="auto"`` follows for ``problem``: pure, cached, explained.
+
+    The answer depends only on ``problem``, the settings in force (see
+    :mod:`blockdiag.settings` for their precedence: ``config()`` > ``set_config`` /
+    ``set_sparsity_threshold`` > environment > tuning profile > built-in default) and the
+    measured table (the matching tuning profile, else the built-in one). Equal inputs give
+    the same (cached) :class:`Plan`. A backend that declines the problem (device, dtype,
+    no backward, shape rule, package missing) or that a setting excludes is never chosen.
 
     >>> from blockdiag.backends import Problem
-    >>> print(choose(Problem(256, 50, 10, 10)).backend in names())
+    >>> plan = choose(Problem(256, 50, 10, 10, requires_grad=True))
+    >>> plan.backend in names() and plan is choose(Problem(256, 50, 10, 10, requires_grad=True))
     True
 
     Args:
@@ -124,23 +146,43 @@ def choose(problem: Problem) -> Plan:
     Returns:
         a :class:`Plan` (print it for a readable report).
     """
-    path = _config.resolve("profile")[0]
-    entry, source = _profile.load_entry(problem.device, problem.dtype, path)
-    settings = _resolved_settings(entry)
-    return _choose(problem, settings, source, id(entry), entry)
+    tok = _config.token()
+    explicit = _config._explicit("profile")
+    path = explicit[0] if explicit else None
+    entry, source, ptoken = _profile.cached_entry(problem.device, problem.dtype, path, tok[2])
+    key = (problem, tok, ptoken, len(names()))
+    plan = _cache.get(key)
+    if plan is None:
+        if len(_cache) > 4096:
+            _cache.clear()
+        label = "built-in table" if source == "built-in defaults" else "tuning profile"
+        plan = _cache[key] = _rank(problem, _resolved_settings(entry, label), source, entry)
+    return plan
+
 
 
 _cache: dict = {}
 
 
-def _choose(problem, settings, source, entry_id, entry) -> Plan:
-    key = (problem, settings, source, entry_id)
-    plan = _cache.get(key)
-    if plan is None:
-        if len(_cache) > 4096:
-            _cache.clear()
-        plan = _cache[key] = _rank(problem, settings, source, entry)
-    return plan
+def settings_exclusion(name: str, sparse: bool, p: Problem, s: dict) -> Optional[str]:
+    """Why the chooser's settings exclude backend ``name`` from ``p``, or None."""
+    if sparse and p.sparsity < s["sparsity_threshold"]:
+        return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
+    if name == "dense":
+        elems = p.groups**2 * p.block_in * p.block_out
+        if p.groups > s["dense_max_groups"]:
+            return f"groups={p.groups} > dense_max_groups={s['dense_max_groups']}"
+        if elems > s["dense_max_elements"]:
+            return f"dense matrix has {elems} entries > dense_max_elements={s['dense_max_elements']}"
+    return None
+
+
+def nearest_measurement(p: Problem, entry: Optional[dict]) -> Optional[dict]:
+    """The table's measurement in ``p``'s mode nearest to ``p`` (log distance), or None."""
+    ms = [m for m in (entry or {}).get("measurements", []) if m["mode"] == p.mode]
+    if not ms:
+        return None
+    return min(ms, key=lambda m: _distance(p, m))
 
 
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
@@ -149,25 +191,19 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     ok: list[str] = []
     for name in names():
         b = get(name)
-        why = b.decline_reason(p)
-        if why is None and b.sparse and p.sparsity < s["sparsity_threshold"]:
-            why = f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
-        if why is None and name == "dense":
-            elems = p.groups**2 * p.block_in * p.block_out
-            if p.groups > s["dense_max_groups"]:
-                why = f"groups={p.groups} > dense_max_groups={s['dense_max_groups']}"
-            elif elems > s["dense_max_elements"]:
-                why = f"dense matrix has {elems} entries > dense_max_elements={s['dense_max_elements']}"
+        why = b.decline_reason(p) or settings_exclusion(name, b.sparse, p, s)
         if why is None:
             ok.append(name)
         else:
             notes[name] = why
 
     estimates: dict[str, float] = {}
-    near = None
-    ms = [m for m in (entry or {}).get("measurements", []) if m["mode"] == p.mode]
-    if ms:
-        near = min(ms, key=lambda m: _distance(p, m))
+    near = nearest_measurement(p, entry)
+    exact = False
+    if near is not None:
+        exact = _distance(p, near) == 0.0
+        # Time scales roughly with useful FLOPs between neighbouring shapes; the ranking at
+        # the neighbour is what matters, the scaled figure is a guide for the reader.
         scale = max(p.flops, 1) / max(2 * near["batch"] * near["groups"] * near["block_in"] * near["block_out"], 1)
         estimates = {k: v * scale for k, v in near["times_us"].items()}
 
@@ -179,24 +215,31 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     )
     ranked = measured + unmeasured
     if not ranked:  # unreachable while 'loop' is registered; kept as a clear error
-        raise BlockDiagError(f"choose: no backend can run {p.describe()}: " + "; ".join(f"{k}: {v}" for k, v in notes.items()))
+        raise BlockDiagError(
+            f"choose: no backend can run {p.describe()}: " + "; ".join(f"{k}: {v}" for k, v in notes.items())
+        )
     best = ranked[0]
     if measured:
         at = f"batch={near['batch']} groups={near['groups']} block={near['block_in']}x{near['block_out']}"
-        reason = f"fastest measured at the nearest table point ({at}, {p.mode})"
+        where = "measured at this shape" if exact else f"fastest at the nearest measured shape ({at})"
+        reason = f"{where}, {p.mode}"
         if len(measured) > 1:
             reason += f": {estimates[measured[1]] / estimates[best]:.2f}x ahead of {measured[1]}"
+        else:
+            reason += ": the only runnable backend measured there"
     elif entry is None:
         reason = f"no measured table for {p.device}; first runnable backend in the {p.device} preference order"
     else:
         reason = "no runnable backend was measured near this shape; first in the preference order"
 
+    how = "measured" if exact else "estimated (nearest measured shape, scaled by FLOPs)"
     cands = []
     for n in ranked:
-        cands.append(Candidate(n, True, estimates.get(n), "chosen" if n == best else ""))
+        note = ("chosen; " if n == best else "") + (how if n in estimates else "not measured")
+        cands.append(Candidate(n, True, estimates.get(n), note, exact and n in estimates))
     for n in names():
         if n in notes:
-            cands.append(Candidate(n, False, estimates.get(n), notes[n]))
+            cands.append(Candidate(n, False, estimates.get(n), notes[n], exact and n in estimates))
     return Plan(best, p, reason, source, tuple(cands), settings)
 
 

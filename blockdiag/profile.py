@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,22 @@ FORMAT = "blockdiag-profile"
 VERSION = 1
 DEFAULTS_PATH = Path(__file__).with_name("_defaults.json")
 
-__all__ = ["ProfileWarning", "default_profile_path", "device_name", "profile_key", "load_entry", "save_entry"]
+__all__ = [
+    "ProfileWarning",
+    "default_profile_path",
+    "device_name",
+    "profile_key",
+    "load_entry",
+    "cached_entry",
+    "save_entry",
+    "clear_cache",
+]
+
+# How long ``cached_entry`` trusts its last look at a profile file: ``auto`` runs on every
+# forward call, and a stat per call would cost more than the smallest products. A profile
+# written in this process (``save_entry``) is seen at once; one written by another
+# process within this many seconds.
+RECHECK_S = 1.0
 
 
 class ProfileWarning(UserWarning):
@@ -98,7 +114,23 @@ def _validate(doc: Any, path: str) -> dict:
                 and all(isinstance(v, (int, float)) and v > 0 for v in m["times_us"].values())
             ):
                 raise ValueError(f"entry {key!r} has a malformed measurement {m!r:.120}")
+        st = e.get("settings", {})
+        if not isinstance(st, dict):
+            raise ValueError(f"entry {key!r} has 'settings' that is not an object")
+        for k, v in st.items():
+            if k not in _SETTING_RANGES:
+                raise ValueError(f"entry {key!r} has an unknown setting {k!r}")
+            lo, hi = _SETTING_RANGES[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ValueError(f"entry {key!r} has {k}={v!r}, outside [{lo}, {hi}]")
     return doc
+
+
+_SETTING_RANGES = {
+    "sparsity_threshold": (0.0, 1.0),
+    "dense_max_groups": (0, float("inf")),
+    "dense_max_elements": (0, float("inf")),
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -154,6 +186,54 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
     return builtin_entry(device, dtype), "built-in defaults"
 
 
+_entry_cache: dict = {}
+
+
+def cached_entry(
+    device: str, dtype: torch.dtype, path: Path | str | None = None, env_token: object = None
+) -> tuple[Optional[dict], str, tuple]:
+    """:func:`load_entry` plus a token that changes whenever the answer may change.
+
+    The file is looked at again at most every :data:`RECHECK_S` seconds (and at once after
+    :func:`save_entry` or :func:`clear_cache`). The token (path and modification times of
+    the profile and of the built-in table) keys the chooser's cache. ``env_token`` must
+    change whenever ``$BLOCKDIAG_PROFILE`` or ``$XDG_CACHE_HOME`` does (the chooser passes
+    :func:`blockdiag.settings.token`); by default they are read here.
+    """
+    # Keyed on what decides the default path (in ``env_token``), so the hot path does no
+    # path arithmetic.
+    if env_token is None:
+        env_token = (os.environ.get("BLOCKDIAG_PROFILE"), os.environ.get("XDG_CACHE_HOME"))
+    key = (path, env_token, device, dtype)
+    now = time.monotonic()
+    hit = _entry_cache.get(key)
+    if hit is not None and now - hit[0] < RECHECK_S:
+        return hit[1]
+    p = str(path or default_profile_path())
+    token = (p, _mtime(p), _mtime(str(DEFAULTS_PATH)))
+    if hit is not None and hit[1][2] == token:
+        _entry_cache[key] = (now, hit[1])
+        return hit[1]
+    entry, source = load_entry(device, dtype, p)
+    out = (entry, source, token)
+    _entry_cache[key] = (now, out)
+    return out
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def clear_cache() -> None:
+    """Forget what was read from profile files (the next ``auto`` call reads them again)."""
+    _entry_cache.clear()
+    _read.cache_clear()
+    _warned.clear()
+
+
 def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
     """The shipped table for the device type (any dtype), or None where none ships."""
     doc, err = read_profile(DEFAULTS_PATH)
@@ -197,4 +277,5 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
             raise
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
+    _entry_cache.clear()
     return p

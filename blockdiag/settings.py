@@ -102,6 +102,10 @@ def set_sparsity_threshold(value: float | None) -> None:
     >>> blockdiag.set_sparsity_threshold(0.9)   # sparse layouts from 10 groups on
     >>> blockdiag.set_sparsity_threshold(None)
 
+    It overrides ``$BLOCKDIAG_SPARSITY_THRESHOLD``, the tuning profile and the built-in
+    default; an enclosing ``with blockdiag.config(sparsity_threshold=...)`` overrides it.
+    ``1.0`` means sparse layouts are never candidates, ``0.0`` always.
+
     Args:
         value: in ``[0, 1]``; sparse layouts are candidates when ``1 - 1/groups >= value``.
 
@@ -114,6 +118,9 @@ def set_sparsity_threshold(value: float | None) -> None:
 @contextlib.contextmanager
 def config(**settings: Any) -> Iterator[None]:
     """Override chooser settings inside a ``with`` block (thread-local, nestable).
+
+    The highest precedence: above :func:`set_config` / :func:`set_sparsity_threshold`,
+    the environment variables, the tuning profile and the built-in defaults.
 
     >>> import blockdiag
     >>> with blockdiag.config(sparsity_threshold=0.0):
@@ -148,14 +155,35 @@ def _explicit(name: str) -> tuple[Any, str] | None:
     return None
 
 
-def resolve(name: str, profile_value: Any = None) -> tuple[Any, str]:
+def resolve(name: str, profile_value: Any = None, profile_label: str = "tuning profile") -> tuple[Any, str]:
     """``(value, where it came from)`` for one setting, following the precedence above."""
     hit = _explicit(name)
     if hit is not None:
         return hit
     if profile_value is not None:
-        return profile_value, "tuning profile"
+        return profile_value, profile_label
     return getattr(DEFAULTS, name), "built-in default"
+
+
+# Every variable the chooser's answer depends on (the profile path's included).
+_TOKEN_VARS = tuple(v for v, _ in _ENV.values()) + ("XDG_CACHE_HOME",)
+# ``auto`` reads these on every forward call. ``os.environ.get`` encodes the key and
+# raises/catches KeyError per miss (about 1 us each); reading the encoded mapping directly
+# is ~20x cheaper and still sees every change made through ``os.environ``.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_TOKEN_KEYS = tuple(_ENCODE(v) for v in _TOKEN_VARS) if _ENV_DATA is not None and _ENCODE else None
+
+
+def token() -> tuple:
+    """A cheap value that changes whenever any explicit setting (config, set_*, env) does."""
+    stack = getattr(_local, "stack", None)
+    frames = tuple(tuple(sorted(f.items())) for f in stack) if stack else ()
+    if _TOKEN_KEYS is not None:
+        env = tuple(map(_ENV_DATA.get, _TOKEN_KEYS))
+    else:
+        env = tuple(map(os.environ.get, _TOKEN_VARS))
+    return frames, tuple(sorted(_global.items())) if _global else (), env
 
 
 def get_settings() -> Settings:

@@ -1,8 +1,15 @@
-"""``bmm``: batched matmul over ``[G, N, in] x [G, in, out]`` views, bias fused by ``baddbmm``.
+"""``bmm`` and ``bmm_fm``: batched matmul on strided views, bias fused by ``baddbmm``.
 
-No operand is copied or expanded: the input is read through a strided ``[G, N, in]`` view
-and the weight through its transposed ``[G, in, out]`` view (the layout measured fastest
-on CPU, see docs/backends.md); only the output is written once into ``[N, G*out]`` order.
+Neither copies nor expands an operand: the input is read through a strided view and the
+weight as stored (or through its transposed view); only the output is written once into
+``[N, G*out]`` order. The two differ in which side the long batch dimension sits on:
+
+* ``bmm`` computes ``[G, N, in] @ [G, in, out]`` (the weight as the transposed operand);
+* ``bmm_fm`` ("feature-major") computes ``W [G, out, in] @ x^T [G, in, N]``, so each GEMM
+  streams along the batch; on CPU it wins most small-block and training cases.
+
+Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
+measured table (``blockdiag tune``).
 """
 
 from __future__ import annotations
@@ -24,11 +31,32 @@ def bmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tor
     return y.transpose(0, 1).reshape(n, g * o)
 
 
+def bmm_fm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y^T`` per group as ``weight[g] @ x_g^T + bias_g`` in ``[G, out, N]``, then one transpose."""
+    g, o, i = weight.shape
+    n = x.shape[0]
+    xt = x.view(n, g, i).permute(1, 2, 0)  # [G, in, N], no copy
+    if bias is None:
+        yt = torch.bmm(weight, xt)
+    else:
+        yt = torch.baddbmm(bias.view(g, o, 1), weight, xt)
+    return yt.permute(2, 0, 1).reshape(n, g * o)
+
+
 BACKEND = register(
     Backend(
         name="bmm",
         fn=bmm,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
-        summary="batched matmul on strided views, bias fused (baddbmm)",
+        summary="batched matmul, [G,N,in] @ weight^T views, bias fused (baddbmm)",
+    )
+)
+
+BACKEND_FM = register(
+    Backend(
+        name="bmm_fm",
+        fn=bmm_fm,
+        dtypes={"cpu": FLOATS, "cuda": FLOATS},
+        summary="batched matmul, feature-major weight @ x^T views, bias fused (baddbmm)",
     )
 )

@@ -16,6 +16,22 @@ __all__ = ["GroupedLinear", "grouped_linear"]
 
 
 def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
+    # Runs on every forward call: test the conditions first and build the error messages
+    # (tens of microseconds of formatting) only when one fails.
+    if weight.dim() == 3 and x.dim() >= 1:
+        g, o, i = weight.shape
+        dev, dt = x.device, x.dtype
+        if (
+            x.shape[-1] == g * i
+            and weight.device == dev
+            and weight.dtype == dt
+            and (bias is None or (bias.shape == (g * o,) and bias.device == dev and bias.dtype == dt))
+        ):
+            n = x.numel() // (g * i) if g * i else 0
+            grad = torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+            return Problem(n, g, i, o, dt, dev.type, grad)
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")

@@ -1,0 +1,686 @@
+"""Measuring backends: the engine behind ``blockdiag tune``, ``bench`` and ``--plot``.
+
+Every figure here is a median (or, with ``stat="min"``, the minimum) over interleaved
+rounds: within a round each backend runs once (in rotating order), so slow drifts of a
+shared machine hit all of them alike. A sample runs the product enough times to last
+about ``min_time`` seconds (calibrated like ``timeit.autorange``, after an untimed call
+that wakes the thread pool), so neither the timer's resolution nor a parked worker
+thread decides the figure for small shapes. A backend more than ``prune`` times slower
+than the best after the first round is not run again at that point (its one sample is
+kept): the slow layouts would otherwise dominate the run time.
+
+>>> from blockdiag.tuning import Grid, tune
+>>> entry = tune(Grid((8,), (2,), ((4, 4),)), modes=("forward",), rounds=1, min_time=0.0)
+>>> "loop" in entry["measurements"][0]["times_us"]
+True
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from itertools import product
+from typing import Callable, Iterable, Optional, Sequence, TextIO
+
+import torch
+from torch import nn
+
+from . import profile as _profile
+from ._errors import BlockDiagError
+from .backends import Problem, get, names
+
+__all__ = [
+    "Grid",
+    "GRIDS",
+    "BENCH_GRID",
+    "measure",
+    "tune",
+    "derive_settings",
+    "bench",
+    "summarize",
+    "plot_decision_map",
+    "peak_memory",
+]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Shapes to measure: every ``batch x groups x (block_in, block_out)`` combination."""
+
+    batch: tuple[int, ...]
+    groups: tuple[int, ...]
+    blocks: tuple[tuple[int, int], ...]
+
+    def problems(self, mode: str, dtype: torch.dtype, device: str) -> list[Problem]:
+        return [
+            Problem(b, g, i, o, dtype, device, mode == "train")
+            for (i, o), g, b in product(self.blocks, self.groups, self.batch)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.batch) * len(self.groups) * len(self.blocks)
+
+
+GRIDS = {
+    "quick": Grid((32, 2048), (4, 50, 256), ((10, 10), (150, 10), (64, 64))),
+    "full": Grid((32, 256, 2048), (4, 16, 50, 256), ((10, 10), (150, 10), (64, 64), (256, 256))),
+}
+# The grid of the project's performance targets.
+BENCH_GRID = GRIDS["full"]
+
+# Backends whose cost grows with groups**2 are skipped while measuring above this many
+# matrix entries: the product would take minutes, and the chooser excludes them there anyway.
+MAX_DENSE_ELEMENTS = 1 << 24
+
+
+def _sync(device: str) -> None:
+    mod = getattr(torch, device, None)
+    if mod is not None and hasattr(mod, "synchronize"):
+        mod.synchronize()
+
+
+class _Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str, stream: Optional[TextIO]):
+        self.total, self.label, self.stream, self.done = total, label, stream, 0
+        self.t0 = time.perf_counter()
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.stream is None:
+            return
+        width = 24
+        fill = int(width * self.done / max(self.total, 1))
+        line = (
+            f"{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+            f"{time.perf_counter() - self.t0:6.1f}s {what}"
+        )
+        if self.tty:
+            self.stream.write("\r" + line[:150].ljust(150))
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _inputs(p: Problem, seed: int = 0):
+    gen = torch.Generator(device=p.device).manual_seed(seed)
+    kw = {"dtype": p.dtype, "device": p.device, "generator": gen}
+    x = torch.randn(p.batch, p.groups * p.block_in, **kw)
+    w = torch.randn(p.groups, p.block_out, p.block_in, **kw) / math.sqrt(max(p.block_in, 1))
+    b = torch.randn(p.groups * p.block_out, **kw)
+    gy = torch.randn(p.batch, p.groups * p.block_out, **kw) if p.requires_grad else None
+    for t in (x, w, b):
+        t.requires_grad_(p.requires_grad)
+    return x, w, b, gy
+
+
+def _step(fn: Callable, args: Sequence[torch.Tensor], gy: Optional[torch.Tensor], params: Sequence[torch.Tensor]):
+    """A no-argument callable running ``fn(*args)`` (and its backward when ``gy`` is given)."""
+    if gy is None:
+
+        def run():
+            with torch.no_grad():
+                fn(*args)
+
+    else:
+
+        def run():
+            fn(*args).backward(gy)
+            for t in params:
+                t.grad = None
+
+    return run
+
+
+def _backend_step(name: str, x, w, b, gy) -> Callable[[], None]:
+    return _step(get(name).fn, (x, w, b), gy, (x, w, b))
+
+
+def _auto_step(x, w, b, gy) -> Callable[[], None]:
+    from .nn.linear import grouped_linear
+
+    return _step(lambda x, w, b: grouped_linear(x, w, b, backend="auto"), (x, w, b), gy, (x, w, b))
+
+
+def _ideal_step(p: Problem, gy_needed: bool) -> Callable[[], None]:
+    # One dense GEMM with the same useful FLOPs and the same output: the shared-input wide
+    # layer [B, in] @ [in, G*out] (+ bias), forward and, in training, its backward.
+    gen = torch.Generator(device=p.device).manual_seed(1)
+    kw = {"dtype": p.dtype, "device": p.device, "generator": gen}
+    x = torch.randn(p.batch, p.block_in, **kw).requires_grad_(gy_needed)
+    w = torch.randn(p.groups * p.block_out, p.block_in, **kw).requires_grad_(gy_needed)
+    b = torch.randn(p.groups * p.block_out, **kw).requires_grad_(gy_needed)
+    gy = torch.randn(p.batch, p.groups * p.block_out, **kw) if gy_needed else None
+    return _step(torch.nn.functional.linear, (x, w, b), gy, (x, w, b))
+
+
+def _linear_loop_step(p: Problem, x, gy) -> Callable[[], None]:
+    # The code users write first: a ModuleList of nn.Linear over input slices, then cat.
+    mods = nn.ModuleList(
+        nn.Linear(p.block_in, p.block_out, device=p.device, dtype=p.dtype) for _ in range(p.groups)
+    )
+    mods.requires_grad_(p.requires_grad)
+    i = p.block_in
+
+    def fwd(x):
+        xs = x.split(i, dim=-1)
+        return torch.cat([m(xs[k]) for k, m in enumerate(mods)], dim=-1)
+
+    return _step(fwd, (x,), gy, (x, *mods.parameters()))
+
+
+def _vmap_step(p: Problem, x, gy) -> Callable[[], None]:
+    # PyTorch's model-ensembling recipe: stack_module_state + functional_call + vmap.
+    import copy
+
+    from torch.func import functional_call, stack_module_state, vmap
+
+    models = [nn.Linear(p.block_in, p.block_out, device=p.device, dtype=p.dtype) for _ in range(p.groups)]
+    params, buffers = stack_module_state(models)
+    for t in params.values():
+        t.requires_grad_(p.requires_grad)
+    base = copy.deepcopy(models[0]).to("meta")
+    n, g, i, o = p.batch, p.groups, p.block_in, p.block_out
+
+    def one(prm, buf, xx):
+        return functional_call(base, (prm, buf), (xx,))
+
+    ens = vmap(one)
+
+    def fwd(x):
+        y = ens(params, buffers, x.view(n, g, i).transpose(0, 1))
+        return y.transpose(0, 1).reshape(n, g * o)
+
+    return _step(fwd, (x,), gy, (x, *params.values()))
+
+
+def measure(
+    steps: dict[str, Callable[[], None]],
+    device: str,
+    rounds: int = 5,
+    min_time: float = 2e-3,
+    prune: float = 3.0,
+    keep: Iterable[str] = (),
+    stat: str = "median",
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
+
+    Args:
+        steps: name -> no-argument callable.
+        device: device type to synchronize.
+        rounds: samples per step (median taken).
+        min_time: seconds each sample should last (the call is repeated to reach it).
+        prune: after the first round, steps slower than ``prune`` x the best are not rerun
+            (0 disables this).
+        keep: steps never pruned (and not counted as the best).
+        stat: ``"median"`` of the samples, or ``"min"`` (on a machine shared with other
+            jobs the noise only ever adds time, and the minimum is the robust estimate).
+
+    Returns:
+        ``({name: seconds}, {name: error message})``; a step that raised is reported in the
+        second dict and not timed.
+    """
+    if stat not in STATS:
+        raise BlockDiagError(f"measure: stat must be one of {', '.join(STATS)}, got {stat!r}")
+    reps: dict[str, int] = {}
+    failures: dict[str, str] = {}
+    samples: dict[str, list[float]] = {}
+    for name, run in steps.items():
+        try:
+            run()  # warm-up: allocator, lazy init, oneDNN primitive caches
+            # Calibrate like timeit.autorange: one call can be a stall (a parked worker
+            # thread waking up), so time growing batches until one lasts min_time.
+            n, dt = 1, 0.0
+            while True:
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    run()
+                _sync(device)
+                total = time.perf_counter() - t0
+                dt = total / n
+                if total >= min_time or n >= 1000:
+                    break
+                n = min(1000, n * 4)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+            failures[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            continue
+        reps[name] = n
+        samples[name] = [dt] if n == 1 else []
+    order = list(samples)
+    for r in range(rounds):
+        if r == 1 and prune:
+            keep = set(keep)
+            meds = {n: statistics.median(v) for n, v in samples.items() if v and n not in keep}
+            if meds:
+                best = min(meds.values())
+                order = [n for n in order if n not in meds or meds[n] <= prune * best]
+        k = r % max(len(order), 1)
+        for name in order[k:] + order[:k]:
+            if r == 0 and reps[name] == 1 and samples[name]:
+                continue  # the timed warm-up run is this round's sample
+            run, n = steps[name], reps[name]
+            if n > 1:
+                run()  # untimed: wakes the thread pool, so the sample measures the op, not the wake-up
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) / n)
+    agg = STATS[stat]
+    return {n: agg(v) for n, v in samples.items()}, failures
+
+
+STATS = {"median": statistics.median, "min": min}
+
+
+def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str], dict[str, str]]:
+    ok, skipped = [], {}
+    for name in backends if backends is not None else names():
+        b = get(name, "tune")
+        why = b.decline_reason(p)
+        if why is None and name == "dense" and p.groups**2 * p.block_in * p.block_out > MAX_DENSE_ELEMENTS:
+            why = f"skipped: its dense matrix would have {p.groups**2 * p.block_in * p.block_out} entries"
+        if why is None:
+            ok.append(name)
+        else:
+            skipped[name] = why
+    return ok, skipped
+
+
+def _resolve_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    out = tuple(modes)
+    bad = [m for m in out if m not in ("forward", "train")]
+    if bad or not out:
+        raise BlockDiagError(f"tune: modes must be a non-empty subset of ('forward', 'train'), got {modes!r}")
+    return out
+
+
+def tune(
+    grid: Grid,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    modes: Sequence[str] = ("forward", "train"),
+    backends: Optional[Iterable[str]] = None,
+    rounds: int = 5,
+    min_time: float = 2e-3,
+    max_gflop: float = float("inf"),
+    stat: str = "median",
+    progress: Optional[TextIO] = None,
+) -> dict:
+    """Measure every runnable backend over ``grid``; returns a profile entry (not saved).
+
+    Args:
+        grid: the shapes.
+        device, dtype: what to measure on.
+        modes: ``"forward"`` and/or ``"train"`` (forward + backward).
+        backends: names to measure (default: all registered).
+        rounds, min_time, stat: see :func:`measure`.
+        max_gflop: points whose forward product exceeds this many GFLOP are not measured
+            (the chooser uses the nearest measured point for them).
+        progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
+
+    Returns:
+        an entry for :func:`blockdiag.profile.save_entry`, with the settings derived from
+        the measurements (:func:`derive_settings`).
+
+    Raises:
+        BlockDiagError: unknown mode or backend name.
+    """
+    modes = _resolve_modes(modes)
+    problems = [p for m in modes for p in grid.problems(m, dtype, device) if p.flops / 1e9 <= max_gflop]
+    bar = _Progress(len(problems), "tune", progress)
+    measurements = []
+    for p in problems:
+        ok, skipped = _runnable(p, backends)
+        x, w, b, gy = _inputs(p)
+        times, failed = measure({n: _backend_step(n, x, w, b, gy) for n in ok}, device, rounds, min_time, stat=stat)
+        row = {
+            "mode": p.mode,
+            "batch": p.batch,
+            "groups": p.groups,
+            "block_in": p.block_in,
+            "block_out": p.block_out,
+            "times_us": {n: round(t * 1e6, 3) for n, t in times.items()},
+        }
+        if skipped or failed:
+            row["skipped"] = {**skipped, **failed}
+        measurements.append(row)
+        best = min(times, key=times.get) if times else "-"
+        bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: {best}")
+    return {
+        "device_name": _profile.device_name(device),
+        "device": device,
+        "torch": torch.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(),
+        "statistic": stat,
+        "rounds": rounds,
+        "settings": derive_settings(measurements),
+        "measurements": measurements,
+    }
+
+
+def derive_settings(measurements: Sequence[dict]) -> dict:
+    """The chooser's crossovers as measured: where sparse layouts and the dense GEMM win.
+
+    ``sparsity_threshold`` is the lowest measured sparsity from which on a sparse backend
+    was the fastest at every measured point (``1.0``, "never", when it never was at the
+    sparsest); ``dense_max_groups`` / ``dense_max_elements`` are the largest group count and
+    matrix size at which ``dense`` was fastest (0 when it never was).
+
+    >>> derive_settings([{"mode": "forward", "batch": 8, "groups": 4, "block_in": 2,
+    ...                   "block_out": 2, "times_us": {"dense": 1.0, "bmm": 2.0}}])
+    {'sparsity_threshold': 1.0, 'dense_max_groups': 4, 'dense_max_elements': 64}
+    """
+    reg = {n: get(n) for n in names()}
+    wins_sparse: dict[float, list[bool]] = {}
+    dense_g, dense_e = 0, 0
+    for m in measurements:
+        t = m["times_us"]
+        if not t:
+            continue
+        best = min(t, key=t.get)
+        s = 1.0 - 1.0 / m["groups"] if m["groups"] else 0.0
+        wins_sparse.setdefault(round(s, 6), []).append(best in reg and reg[best].sparse)
+        if best == "dense":
+            dense_g = max(dense_g, m["groups"])
+            dense_e = max(dense_e, m["groups"] ** 2 * m["block_in"] * m["block_out"])
+    threshold = 1.0
+    for s in sorted(wins_sparse, reverse=True):
+        if not all(wins_sparse[s]):
+            break
+        threshold = s
+    return {"sparsity_threshold": threshold, "dense_max_groups": dense_g, "dense_max_elements": dense_e}
+
+
+class _LiveBytes:
+    """Bytes held by tensors created under a dispatch mode: current and peak."""
+
+    def __init__(self):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[int, tuple[object, int]] = {}
+        self.current = self.peak = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.layout != torch.strided:
+            for part in _sparse_parts(t):
+                self.add(part)
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.live or st.nbytes() == 0:
+            return
+        self.live[key] = (self._ref(st), st.nbytes())
+        self.current += st.nbytes()
+        self._collect()
+        self.peak = max(self.peak, self.current)
+
+    def _collect(self) -> None:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            self.current -= self.live.pop(k)[1]
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
+
+def peak_memory(step: Callable[[], None]) -> int:
+    """Peak bytes of tensors allocated while ``step()`` runs (inputs and parameters excluded).
+
+    Counts every tensor an operator returns, on any device, until it is freed; library
+    scratch space (MKL, oneDNN workspaces) is not seen.
+
+    >>> x = torch.ones(256)
+    >>> peak_memory(lambda: x * 2), peak_memory(lambda: x.view(16, 16).t())
+    (1024, 0)
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live = _LiveBytes()
+
+    def ptrs(tree) -> set:
+        out = set()
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                out.add(t.untyped_storage().data_ptr())
+        return out
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # Views and in-place results share an argument's storage: nothing was allocated.
+            shared = ptrs((args, kwargs))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and (
+                    t.layout != torch.strided or t.untyped_storage().data_ptr() not in shared
+                ):
+                    live.add(t)
+            return out
+
+    with _Track():
+        step()
+    return live.peak
+
+
+def bench(
+    grid: Grid = BENCH_GRID,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    modes: Sequence[str] = ("forward", "train"),
+    backends: Optional[Iterable[str]] = None,
+    rounds: int = 5,
+    min_time: float = 2e-3,
+    baselines: bool = True,
+    memory: bool = True,
+    max_gflop: float = float("inf"),
+    stat: str = "median",
+    progress: Optional[TextIO] = None,
+) -> list[dict]:
+    """Time every backend, ``auto``, the ideal GEMM and the baselines at each grid point.
+
+    Args:
+        grid, device, dtype, modes, backends, rounds, min_time, stat, progress: as for :func:`tune`.
+        baselines: also time a loop of ``nn.Linear`` and ``torch.func.vmap`` ensembling.
+        memory: record each backend's peak tensor memory of one call (forward+backward in
+            training) with :func:`peak_memory`.
+        max_gflop: points whose forward product exceeds this many GFLOP are skipped (and
+            listed as skipped in the result).
+
+    Returns:
+        one dict per point and mode: ``times_us`` (backends), ``auto`` (its choice),
+        ``auto_us``, ``fastest``, ``auto_over_fastest``, ``ideal_us``,
+        ``fraction_of_ideal`` (ideal time over auto's), ``baselines_us``,
+        ``peak_bytes`` and ``skipped`` (name -> reason).
+    """
+    from .dispatch import choose
+
+    modes = _resolve_modes(modes)
+    problems = [p for m in modes for p in grid.problems(m, dtype, device)]
+    bar = _Progress(len(problems), "bench", progress)
+    rows = []
+    for p in problems:
+        row = {"mode": p.mode, "batch": p.batch, "groups": p.groups, "block_in": p.block_in, "block_out": p.block_out}
+        if p.flops / 1e9 > max_gflop:
+            row["skipped_point"] = f"{p.flops / 1e9:.1f} GFLOP > --max-gflop {max_gflop:g}"
+            rows.append(row)
+            bar.step("skipped (too large)")
+            continue
+        ok, skipped = _runnable(p, backends)
+        x, w, b, gy = _inputs(p)
+        steps = {n: _backend_step(n, x, w, b, gy) for n in ok}
+        steps["auto"] = _auto_step(x, w, b, gy)
+        steps["ideal"] = _ideal_step(p, p.requires_grad)
+        if baselines:
+            steps["nn_linear_loop"] = _linear_loop_step(p, x, gy)
+            steps["vmap"] = _vmap_step(p, x, gy)
+        extra = ("auto", "ideal", "nn_linear_loop", "vmap")
+        # auto and the references are never pruned: their times are the point of the run.
+        times, failed = measure(steps, device, rounds, min_time, keep=extra, stat=stat)
+        if "auto" in failed or "ideal" in failed:
+            raise BlockDiagError(f"bench: {p.describe()}: auto or the ideal GEMM failed: {failed}")
+        bt = {n: t for n, t in times.items() if n not in extra}
+        fastest = min(bt, key=bt.get) if bt else None
+        row.update(
+            times_us={n: round(t * 1e6, 3) for n, t in bt.items()},
+            auto=choose(p).backend,
+            auto_us=round(times["auto"] * 1e6, 3),
+            fastest=fastest,
+            auto_over_fastest=round(times["auto"] / bt[fastest], 4) if fastest else None,
+            ideal_us=round(times["ideal"] * 1e6, 3),
+            fraction_of_ideal=round(times["ideal"] / times["auto"], 4),
+            baselines_us={n: round(times[n] * 1e6, 3) for n in ("nn_linear_loop", "vmap") if n in times},
+            skipped={**skipped, **failed},
+        )
+        if memory:
+            row["peak_bytes"] = {n: peak_memory(steps[n]) for n in ok if n not in failed}
+        rows.append(row)
+        bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: auto/fastest {row['auto_over_fastest']}")
+    return rows
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """Per mode: geomean and worst auto/fastest, median fraction of ideal, baseline speed-ups.
+
+    >>> summarize([])
+    {}
+    """
+    out = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        rs = [r for r in rows if r["mode"] == mode and "auto_us" in r]
+        if not rs:
+            continue
+        ratios = [r["auto_over_fastest"] for r in rs]
+        worst = max(rs, key=lambda r: r["auto_over_fastest"])
+        s = {
+            "points": len(rs),
+            "geomean_auto_over_fastest": round(_geomean(ratios), 4),
+            "max_auto_over_fastest": round(max(ratios), 4),
+            "worst_point": f"B={worst['batch']} G={worst['groups']} {worst['block_in']}x{worst['block_out']}",
+            "within_1.10": sum(x <= 1.10 for x in ratios),
+            "median_fraction_of_ideal": round(statistics.median(r["fraction_of_ideal"] for r in rs), 4),
+        }
+        for base in ("nn_linear_loop", "vmap"):
+            sp = [r["baselines_us"][base] / r["auto_us"] for r in rs if base in r.get("baselines_us", {})]
+            if sp:
+                s[f"geomean_speedup_vs_{base}"] = round(_geomean(sp), 3)
+                s[f"min_speedup_vs_{base}"] = round(min(sp), 3)
+        out[mode] = s
+    return out
+
+
+def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] = None) -> str:
+    """Draw which backend wins where: one panel per (mode, block shape) over groups x batch.
+
+    Each cell is coloured by the fastest backend, shaded by its margin over the runner-up
+    (pale: under 5%, full colour: 50% or more), and labelled with both. Needs matplotlib
+    (``pip install blockdiag[plot]``).
+
+    Args:
+        entry: a profile entry (from :func:`tune` or a profile file).
+        path: the image file to write (the format follows the extension).
+        backends: only consider these backends (default: all measured).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        BlockDiagError: matplotlib missing, or the entry has no measurements.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import to_rgb
+    except ImportError:
+        raise BlockDiagError("plot_decision_map: --plot needs matplotlib: pip install 'blockdiag[plot]'") from None
+    ms = entry.get("measurements", [])
+    if not ms:
+        raise BlockDiagError("plot_decision_map: the profile entry has no measurements to plot")
+    keep = set(backends) if backends is not None else None
+    panels = sorted({(m["mode"], m["block_in"], m["block_out"]) for m in ms})
+    all_names = sorted({n for m in ms for n in m["times_us"] if keep is None or n in keep})
+    palette = plt.get_cmap("tab10")
+    colour = {n: to_rgb(palette(k % 10)) for k, n in enumerate(all_names)}
+    cols = min(4, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
+    for ax, (mode, bi, bo) in zip(axes.flat, panels):
+        sel = [m for m in ms if (m["mode"], m["block_in"], m["block_out"]) == (mode, bi, bo)]
+        gs = sorted({m["groups"] for m in sel})
+        bs = sorted({m["batch"] for m in sel})
+        for m in sel:
+            t = {n: v for n, v in m["times_us"].items() if keep is None or n in keep}
+            if not t:
+                continue
+            ranked = sorted(t, key=t.get)
+            win = ranked[0]
+            margin = t[ranked[1]] / t[win] if len(ranked) > 1 else float("inf")
+            strength = min(1.0, max(0.15, (margin - 1.0) / 0.5))
+            rgb = tuple(1 - strength * (1 - c) for c in colour[win])
+            gx, by = gs.index(m["groups"]), bs.index(m["batch"])
+            ax.add_patch(plt.Rectangle((gx - 0.5, by - 0.5), 1, 1, color=rgb))
+            label = f"{win}\n{margin:.2f}x" if math.isfinite(margin) else win
+            ax.text(gx, by, label, ha="center", va="center", fontsize=7)
+        ax.set_xlim(-0.5, len(gs) - 0.5)
+        ax.set_ylim(-0.5, len(bs) - 0.5)
+        ax.set_xticks(range(len(gs)), [str(g) for g in gs])
+        ax.set_yticks(range(len(bs)), [str(b) for b in bs])
+        ax.set_xlabel("groups")
+        ax.set_ylabel("batch")
+        ax.set_title(f"{mode}, block {bi}x{bo} (in x out)", fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(
+        f"blockdiag decision map: {entry.get('device_name', '?')}, torch {entry.get('torch', '?')}, "
+        f"{entry.get('dtype', '?')} (label: winner and its margin over the runner-up)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def merge_entry(old: Optional[dict], new: dict) -> dict:
+    """``new`` plus the measurements of ``old`` at points ``new`` did not measure."""
+    if not old:
+        return new
+
+    def key(m):
+        return (m["mode"], m["batch"], m["groups"], m["block_in"], m["block_out"])
+
+    seen = {key(m) for m in new["measurements"]}
+    kept = [m for m in old.get("measurements", []) if key(m) not in seen]
+    out = dict(new)
+    out["measurements"] = kept + list(new["measurements"])
+    out["settings"] = derive_settings(out["measurements"])
+    return out
+

@@ -1,0 +1,172 @@
+"""The command line: tune / explain / bench on tiny grids (no timings are asserted)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockdiag import profile
+from blockdiag.backends import names
+from blockdiag.cli import main
+from blockdiag.tuning import Grid, bench, derive_settings, measure, merge_entry, peak_memory, summarize, tune
+
+TINY = ["--batch", "4", "--groups", "2,3", "--blocks", "3x2", "--repeat", "1", "--min-time", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    profile.clear_cache()
+    yield
+    profile.clear_cache()
+
+
+def test_tune_writes_a_valid_profile_that_auto_uses(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert main(["tune", *TINY, "--profile", str(path)]) == 0
+    out = capsys.readouterr()
+    assert f"wrote {path}" in out.out and "measured sparsity_threshold" in out.out
+    assert "tune [" in out.err  # the progress bar
+    doc, err = profile.read_profile(path)
+    assert err is None
+    (e,) = doc["entries"].values()
+    assert {(m["mode"], m["groups"]) for m in e["measurements"]} == {
+        ("forward", 2), ("forward", 3), ("train", 2), ("train", 3)}
+    assert all("loop" in m["times_us"] for m in e["measurements"])
+    assert e["torch"] == torch.__version__ and e["dtype"] == "float32"
+    assert 0.0 <= e["settings"]["sparsity_threshold"] <= 1.0
+    # explain reads it back
+    assert main(["explain", "--batch", "4", "--groups", "2", "--block", "3x2", "--train",
+                 "--profile", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "Plan for batch=4 groups=2 block=3x2" in text and f"tuning profile {path}" in text
+    assert "measured at this shape, train" in text
+
+
+def test_tune_merges_with_earlier_runs(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    main(["tune", *TINY, "--mode", "forward", "--profile", str(path)])
+    main(["tune", *TINY, "--mode", "train", "--groups", "2", "--profile", str(path)])
+    (e,) = profile.read_profile(path)[0]["entries"].values()
+    assert sorted((m["mode"], m["groups"]) for m in e["measurements"]) == [
+        ("forward", 2), ("forward", 3), ("train", 2)]
+
+
+def test_tune_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "map.png"
+    assert main(["tune", *TINY, "--profile", str(tmp_path / "p.json"), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_without_profile_uses_builtin(capsys):
+    assert main(["explain", "--batch", "256", "--groups", "50", "--block", "10x10"]) == 0
+    out = capsys.readouterr().out
+    assert "backend:" in out and "built-in defaults" in out and "sparsity_threshold=" in out
+
+
+def test_bench_json(tmp_path, capsys):
+    out_json = tmp_path / "b.json"
+    assert main(["bench", *TINY, "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "a/best" in printed and "forward:" in printed and "train:" in printed
+    doc = json.loads(out_json.read_text())
+    assert set(doc["summary"]) == {"forward", "train"}
+    assert len(doc["rows"]) == 4
+    for r in doc["rows"]:
+        assert r["auto"] in names() and r["auto"] not in r["skipped"]
+        assert r["auto_over_fastest"] > 0 and 0 < r["fraction_of_ideal"]
+        assert set(r["baselines_us"]) == {"nn_linear_loop", "vmap"}
+        assert set(r["peak_bytes"]) == set(r["times_us"]) and all(v > 0 for v in r["peak_bytes"].values())
+    s = doc["summary"]["train"]
+    assert s["points"] == 2 and "geomean_speedup_vs_vmap" in s
+
+
+def test_bench_skips_huge_points_and_says_so(capsys):
+    assert main(["bench", *TINY, "--mode", "forward", "--max-gflop", "0", "--no-baselines"]) == 0
+    assert capsys.readouterr().out.count("skipped:") == 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["explain", "--batch", "4", "--groups", "2", "--block", "10"],
+        ["explain", "--batch", "0", "--groups", "2", "--block", "3x2"],
+        ["bench", "--dtype", "float99"],
+        ["tune", "--quick", "--full"],
+        ["tune", "--blocks", "3x0"],
+        ["bench", "--mode", "sideways"],
+    ],
+    ids=["block-not-AxB", "batch-zero", "dtype", "quick-and-full", "zero-block", "mode"],
+)
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_unknown_backend_lists_valid_ones(tmp_path):
+    from blockdiag import BlockDiagError
+
+    with pytest.raises(BlockDiagError, match="unknown backend 'nope'"):
+        main(["bench", *TINY, "--backends", "nope"])
+
+
+def test_measure_reports_failures_and_prunes():
+    calls = {"slow": 0}
+
+    def slow():
+        calls["slow"] += 1
+        sum(range(20000))
+
+    def broken():
+        raise RuntimeError("not implemented here")
+
+    times, failed = measure({"fast": lambda: None, "slow": slow, "broken": broken}, "cpu", rounds=4, min_time=0.0)
+    assert set(times) == {"fast", "slow"} and "not implemented here" in failed["broken"]
+    assert calls["slow"] == 2  # warm-up and one timed (calibration) run, then pruned
+
+
+def test_derive_settings_finds_the_sparse_crossover():
+    def m(g, best):
+        return {"mode": "forward", "batch": 8, "groups": g, "block_in": 4, "block_out": 4,
+                "times_us": {best: 1.0, "loop": 2.0 if best != "loop" else 0.5}}
+
+    assert derive_settings([m(2, "loop"), m(16, "csr"), m(64, "csr")])["sparsity_threshold"] == pytest.approx(15 / 16)
+    assert derive_settings([m(2, "loop"), m(16, "loop"), m(64, "csr")])["sparsity_threshold"] == pytest.approx(63 / 64)
+    assert derive_settings([m(2, "csr"), m(64, "loop")])["sparsity_threshold"] == 1.0
+    d = derive_settings([m(4, "dense"), m(8, "dense"), m(64, "loop")])
+    assert (d["dense_max_groups"], d["dense_max_elements"]) == (8, 64 * 16)
+
+
+def test_merge_entry_keeps_other_points():
+    old = {"measurements": [{"mode": "forward", "batch": 1, "groups": 2, "block_in": 1, "block_out": 1,
+                             "times_us": {"loop": 1.0}}]}
+    new = tune(Grid((1,), (3,), ((1, 1),)), modes=("forward",), backends=["loop"], rounds=1, min_time=0.0)
+    merged = merge_entry(old, new)
+    assert sorted(m["groups"] for m in merged["measurements"]) == [2, 3]
+
+
+def test_peak_memory_counts_temporaries():
+    x = torch.randn(64, 64)
+    # one 16 KiB product alive at a time, plus the 16 KiB sum: at least 32 KiB
+    assert peak_memory(lambda: (x @ x) + (x @ x)) >= 2 * 64 * 64 * 4
+    assert peak_memory(lambda: None) == 0
+
+
+def test_bench_api_and_summary():
+    rows = bench(Grid((4,), (2,), ((3, 2),)), modes=("train",), rounds=1, min_time=0.0, baselines=False,
+                 memory=False, backends=["loop", "bmm"])
+    (r,) = rows
+    assert set(r["times_us"]) == {"loop", "bmm"} and r["fastest"] in ("loop", "bmm")
+    s = summarize(rows)["train"]
+    assert s["points"] == 1 and s["within_1.10"] in (0, 1)
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "blockdiag", "explain", "--batch", "8", "--groups", "4",
+                        "--block", "4x4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Plan for batch=8 groups=4" in r.stdout

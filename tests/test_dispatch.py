@@ -1,0 +1,208 @@
+"""The chooser's logic: constraint filtering, thresholds, ranking by the table, caching."""
+
+import os
+
+import pytest
+import torch
+
+import blockdiag
+from blockdiag import BlockDiagError, Problem, choose, profile
+from blockdiag.backends import Backend, _registry, names
+from blockdiag.backends._registry import FLOATS
+from blockdiag.dispatch import FALLBACK_ORDER, nearest_measurement, plan_for
+
+from _profiles import entry, point, write
+
+
+@pytest.fixture
+def prof(tmp_path):
+    """Write a profile at $BLOCKDIAG_PROFILE (the conftest points it into tmp_path)."""
+    path = tmp_path / "profile.json"
+    assert os.environ["BLOCKDIAG_PROFILE"] == str(path)
+
+    def make(*measurements, settings=None):
+        return write(path, entry(list(measurements), settings))
+
+    yield make
+    profile.clear_cache()
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Register throw-away backends for one test only."""
+
+    def add(name, **kw):
+        b = Backend(name=name, fn=_registry.get("loop").fn, dtypes=kw.pop("dtypes", {"cpu": FLOATS}), **kw)
+        monkeypatch.setitem(_registry._REGISTRY, name, b)
+        return b
+
+    return add
+
+
+def test_table_winner_is_chosen_and_explained(prof):
+    prof(point(bmm=30.0, loop=10.0, bmm_fm=20.0))
+    plan = choose(Problem(256, 50, 10, 10))
+    assert plan.backend == "loop"
+    assert "measured at this shape" in plan.reason and "2.00x ahead of bmm_fm" in plan.reason
+    assert plan.source.startswith("tuning profile")
+    text = str(plan)
+    assert "backend: loop" in text and "bmm_fm" in text and "chosen; measured" in text
+    ok = [c.name for c in plan.candidates if c.ok]
+    assert ok[:3] == ["loop", "bmm_fm", "bmm"]
+    assert all(c.measured for c in plan.candidates if c.name in ("loop", "bmm", "bmm_fm"))
+
+
+def test_mode_is_part_of_the_key(prof):
+    prof(point(loop=10.0, bmm=30.0), point(mode="train", loop=30.0, bmm=10.0))
+    assert choose(Problem(256, 50, 10, 10)).backend == "loop"
+    assert choose(Problem(256, 50, 10, 10, requires_grad=True)).backend == "bmm"
+
+
+def test_nearest_point_in_log_space_is_used(prof):
+    prof(point(batch=32, groups=4, loop=1.0, bmm=2.0), point(batch=2048, groups=256, loop=2.0, bmm=1.0))
+    near_small = choose(Problem(64, 8, 10, 10))
+    assert near_small.backend == "loop"
+    assert "nearest measured shape (batch=32 groups=4" in near_small.reason
+    assert choose(Problem(1024, 128, 10, 10)).backend == "bmm"
+    est = [c for c in near_small.candidates if c.name == "loop"][0]
+    # Scaled by useful FLOPs from the neighbour: 2x batch and 2x groups -> 4x the time.
+    assert est.estimate_us == pytest.approx(4.0) and not est.measured
+
+
+def test_nearest_measurement_none_without_table():
+    assert nearest_measurement(Problem(1, 1, 1, 1), None) is None
+    assert nearest_measurement(Problem(1, 1, 1, 1), {"measurements": [point(mode="train")]}) is None
+
+
+def test_unmeasured_backends_follow_the_fallback_order(prof):
+    prof(point(mode="train", loop=1.0))  # nothing measured for forward
+    plan = choose(Problem(256, 50, 10, 10))
+    runnable = [c.name for c in plan.candidates if c.ok]
+    order = [n for n in FALLBACK_ORDER["cpu"] if n in runnable]
+    assert runnable[: len(order)] == order
+    assert plan.backend == order[0]
+    assert "preference order" in plan.reason
+
+
+@pytest.mark.parametrize("why", ["dtype", "grad", "constraint", "device", "missing-package"])
+def test_never_chooses_a_declining_backend(prof, fake_backend, why):
+    kw = {
+        "dtype": {"dtypes": {"cpu": frozenset({torch.float64})}},
+        "grad": {"grad": False},
+        "constraint": {"constraint": lambda p: "needs groups <= 8" if p.groups > 8 else None},
+        "device": {"dtypes": {"fakedevice": FLOATS}},
+        "missing-package": {"requires": "blockdiag_no_such_module_xyz"},
+    }[why]
+    fake_backend("fast_but_limited", **kw)
+    prof(point(mode="train", fast_but_limited=0.001, loop=1.0, bmm=2.0))
+    plan = choose(Problem(256, 50, 10, 10, requires_grad=True))
+    assert plan.backend == "loop"
+    declined = {c.name: c for c in plan.candidates if not c.ok}
+    assert "fast_but_limited" in declined and declined["fast_but_limited"].note
+
+
+def test_constraint_allows_where_it_holds(prof, fake_backend):
+    fake_backend("small_only", constraint=lambda p: "needs groups <= 8" if p.groups > 8 else None)
+    prof(point(groups=4, small_only=0.5, loop=1.0), point(groups=64, small_only=0.5, loop=1.0))
+    assert choose(Problem(256, 4, 10, 10)).backend == "small_only"
+    assert choose(Problem(256, 64, 10, 10)).backend == "loop"
+
+
+def test_sparse_backends_only_at_or_above_the_threshold(prof, fake_backend):
+    fake_backend("fake_sparse", sparse=True)
+    prof(point(groups=4, fake_sparse=0.5, loop=1.0), point(groups=16, fake_sparse=0.5, loop=1.0))
+    # Default threshold 1.0: never.
+    plan = choose(Problem(256, 16, 10, 10))
+    assert plan.backend == "loop"
+    assert "below sparsity_threshold=1.0" in [c for c in plan.candidates if c.name == "fake_sparse"][0].note
+    with blockdiag.config(sparsity_threshold=0.9):
+        assert choose(Problem(256, 4, 10, 10)).backend == "loop"  # sparsity 0.75 < 0.9
+        assert choose(Problem(256, 16, 10, 10)).backend == "fake_sparse"  # 0.9375 >= 0.9
+    with blockdiag.config(sparsity_threshold=0.75):
+        assert choose(Problem(256, 4, 10, 10)).backend == "fake_sparse"  # equal counts as above
+
+
+def test_dense_crossovers_exclude_dense(prof):
+    prof(point(groups=4, dense=0.1, loop=1.0), settings={"dense_max_groups": 16})
+    assert choose(Problem(256, 4, 10, 10)).backend == "dense"
+    with blockdiag.config(dense_max_groups=2):
+        plan = choose(Problem(256, 4, 10, 10))
+        assert plan.backend == "loop"
+        assert "groups=4 > dense_max_groups=2" in str(plan)
+    with blockdiag.config(dense_max_elements=100):
+        assert "dense_max_elements=100" in str(choose(Problem(256, 4, 10, 10)))
+
+
+def test_threshold_precedence_reaches_the_plan(prof, monkeypatch):
+    prof(point(loop=1.0), settings={"sparsity_threshold": 0.3})
+
+    def src():
+        return {k: (v, s) for k, v, s in choose(Problem(256, 50, 10, 10)).settings}["sparsity_threshold"]
+
+    assert src() == (0.3, "tuning profile")
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "0.4")
+    assert src() == (0.4, "$BLOCKDIAG_SPARSITY_THRESHOLD")
+    blockdiag.set_sparsity_threshold(0.5)
+    try:
+        assert src() == (0.5, "set_config()")
+        with blockdiag.config(sparsity_threshold=0.6):
+            assert src() == (0.6, "blockdiag.config()")
+        assert src() == (0.5, "set_config()")
+    finally:
+        blockdiag.set_sparsity_threshold(None)
+    monkeypatch.delenv("BLOCKDIAG_SPARSITY_THRESHOLD")
+    assert src() == (0.3, "tuning profile")
+
+
+def test_default_without_profile_or_builtin(monkeypatch):
+    monkeypatch.setattr(profile, "builtin_entry", lambda device, dtype: None)
+    profile.clear_cache()
+    plan = choose(Problem(3, 2, 5, 5, dtype=torch.float64))
+    assert {k: s for k, _, s in plan.settings}["sparsity_threshold"] == "built-in default"
+    assert "no measured table" in plan.reason
+    profile.clear_cache()
+
+
+def test_choose_is_cached_and_pure(prof):
+    prof(point(loop=1.0, bmm=2.0))
+    p = Problem(256, 50, 10, 10)
+    assert choose(p) is choose(Problem(256, 50, 10, 10))
+    with blockdiag.config(dense_max_groups=3):
+        inside = choose(p)
+        assert inside is choose(p)
+    # Different settings in force: a different plan object, saying so.
+    assert inside is not choose(p)
+    assert ("dense_max_groups", 3, "blockdiag.config()") in inside.settings
+
+
+def test_new_profile_is_seen_at_once(prof):
+    prof(point(loop=1.0, bmm=2.0))
+    assert choose(Problem(256, 50, 10, 10)).backend == "loop"
+    e = entry([point(loop=2.0, bmm=1.0)])
+    profile.save_entry(e)  # the default path: $BLOCKDIAG_PROFILE
+    assert choose(Problem(256, 50, 10, 10)).backend == "bmm"
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_every_registered_backend_can_be_planned(device):
+    for name in names():
+        b = _registry.get(name)
+        p = Problem(8, 4, 16, 16, torch.float32, device)
+        if b.decline_reason(p) is None:
+            assert plan_for(name, p).backend == name
+
+
+def test_plan_for_rejects_unknown_and_declining(fake_backend):
+    with pytest.raises(BlockDiagError, match="unknown backend 'nope'; valid names are 'auto', 'loop'"):
+        plan_for("nope", Problem(8, 4, 4, 4))
+    fake_backend("no_grad", grad=False)
+    with pytest.raises(BlockDiagError, match="'no_grad' cannot run .* has no backward"):
+        plan_for("no_grad", Problem(8, 4, 4, 4, requires_grad=True))
+
+
+def test_grouped_linear_plan_is_choose(prof):
+    prof(point(batch=8, groups=2, block_in=3, block_out=5, mode="train", bmm=1.0, loop=2.0))
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    plan = layer.plan(torch.randn(8, 6))
+    assert plan is choose(Problem(8, 2, 3, 5, requires_grad=True))
+    assert plan.backend == "bmm"

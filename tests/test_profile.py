@@ -1,0 +1,150 @@
+"""Tuning profiles: loading, every failure mode (one warning, then defaults), atomic writes."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from blockdiag import BlockDiagError, Problem, ProfileWarning, choose, profile
+
+from _profiles import entry, point, write
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    profile.clear_cache()
+    yield
+    profile.clear_cache()
+
+
+def load(path):
+    return profile.load_entry("cpu", torch.float32, path)
+
+
+def test_missing_file_is_silent(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e, src = load(tmp_path / "none.json")
+    assert src == "built-in defaults"
+    assert e is profile.builtin_entry("cpu", torch.float32)
+
+
+def test_matching_entry_is_used(tmp_path):
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)]))
+    e, src = load(path)
+    assert src == f"tuning profile {path}" and e["measurements"][0]["times_us"] == {"loop": 1.0}
+
+
+def _bad_files(tmp_path):
+    good = json.dumps({"format": profile.FORMAT, "version": 1, "entries": {"k": entry([point(loop=1.0)])}})
+    return {
+        "corrupt": ("{not json", "corrupt"),
+        "half-written": (good[: len(good) // 2], "corrupt"),
+        "empty": ("", "corrupt"),
+        "wrong-format": (json.dumps({"format": "something", "version": 1}), "not a blockdiag-profile"),
+        "wrong-version": (json.dumps({"format": profile.FORMAT, "version": 99, "entries": {}}), "version 99"),
+        "bad-measurement": (
+            json.dumps({"format": profile.FORMAT, "version": 1,
+                        "entries": {"k": entry([point(loop=-1.0)])}}),
+            "malformed measurement",
+        ),
+        "bad-setting": (
+            json.dumps({"format": profile.FORMAT, "version": 1,
+                        "entries": {"k": entry([point(loop=1.0)], {"sparsity_threshold": 3})}}),
+            "sparsity_threshold=3",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["corrupt", "half-written", "empty", "wrong-format", "wrong-version", "bad-measurement", "bad-setting"]
+)
+def test_unusable_file_warns_once_and_uses_defaults(tmp_path, monkeypatch, kind):
+    text, msg = _bad_files(tmp_path)[kind]
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.warns(ProfileWarning, match=msg) as rec:
+        e, src = load(path)
+        load(path)
+        monkeypatch.setenv("BLOCKDIAG_PROFILE", str(path))
+        plan = choose(Problem(256, 50, 10, 10))
+        choose(Problem(32, 4, 10, 10))
+    assert len([w for w in rec if issubclass(w.category, ProfileWarning)]) == 1
+    assert src == "built-in defaults" and plan.source == "built-in defaults"
+
+
+@pytest.mark.parametrize("stale", ["torch", "device"])
+def test_stale_profile_warns_once(tmp_path, stale):
+    e = entry([point(loop=1.0)], torch_version="1.0.0") if stale == "torch" else entry([point(loop=1.0)])
+    if stale == "device":
+        e["device_name"] = "Some Other CPU (64 threads)"
+    path = write(tmp_path / "p.json", e)
+    with pytest.warns(ProfileWarning, match="stale.*blockdiag tune") as rec:
+        _, src = load(path)
+        load(path)
+    assert len(rec) == 1 and src == "built-in defaults"
+
+
+def test_other_dtype_only_is_not_stale(tmp_path):
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)], dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, src = load(path)
+    assert src == "built-in defaults"
+    assert load(path)[1] == "built-in defaults"
+    assert profile.load_entry("cpu", torch.float64, path)[1].startswith("tuning profile")
+
+
+def test_save_merges_entries_and_is_valid(tmp_path):
+    path = tmp_path / "sub" / "p.json"
+    profile.save_entry(entry([point(loop=1.0)]), path)
+    profile.save_entry(entry([point(bmm=1.0)], dtype=torch.float64), path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == profile.FORMAT and doc["version"] == profile.VERSION
+    assert len(doc["entries"]) == 2
+    assert [p.name for p in path.parent.iterdir()] == ["p.json"]
+
+
+def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)]))
+    before = path.read_text()
+
+    def broken_dump(obj, f, **kw):
+        f.write('{"format": "blockdiag-pro')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(profile.json, "dump", broken_dump)
+    with pytest.raises(BlockDiagError, match="cannot write profile .*disk full"):
+        profile.save_entry(entry([point(bmm=1.0)]), path)
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def test_save_replaces_a_corrupt_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("{garbage")
+    profile.save_entry(entry([point(loop=1.0)]), path)
+    assert load(path)[1].startswith("tuning profile")
+
+
+def test_save_rejects_a_malformed_entry(tmp_path):
+    with pytest.raises(ValueError, match="malformed measurement"):
+        profile.save_entry(entry([point(loop=0.0)]), tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_default_path_follows_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("BLOCKDIAG_PROFILE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert profile.default_profile_path() == tmp_path / "blockdiag" / "profile.json"
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "x.json"))
+    assert profile.default_profile_path() == tmp_path / "x.json"
+
+
+def test_builtin_table_is_valid():
+    doc, err = profile.read_profile(profile.DEFAULTS_PATH)
+    assert err is None
+    if doc is not None:
+        cpu = profile.builtin_entry("cpu", torch.float32)
+        assert cpu is not None and {m["mode"] for m in cpu["measurements"]} == {"forward", "train"}

@@ -1,0 +1,90 @@
+"""Settings: validation, precedence (config > set_* > env > profile > default), scoping."""
+
+import threading
+
+import pytest
+
+import blockdiag
+from blockdiag import BlockDiagError
+from blockdiag import settings as st
+
+
+@pytest.fixture(autouse=True)
+def _reset_globals():
+    yield
+    blockdiag.set_config(sparsity_threshold=None, dense_max_groups=None, dense_max_elements=None)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "abc"])
+def test_threshold_out_of_range_names_the_value(bad):
+    with pytest.raises(BlockDiagError, match="sparsity_threshold must"):
+        blockdiag.set_sparsity_threshold(bad)
+    with pytest.raises(BlockDiagError, match="sparsity_threshold"):
+        with blockdiag.config(sparsity_threshold=bad):
+            pass
+
+
+def test_unknown_setting_lists_the_valid_ones():
+    with pytest.raises(BlockDiagError, match="unknown setting 'sparsity'.*sparsity_threshold"):
+        blockdiag.set_config(sparsity=0.5)
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "lots")
+    with pytest.raises(BlockDiagError, match="BLOCKDIAG_SPARSITY_THRESHOLD"):
+        blockdiag.get_settings()
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "2")
+    with pytest.raises(BlockDiagError, match=r"must lie in \[0, 1\], got 2.0"):
+        blockdiag.get_settings()
+
+
+def test_precedence_each_level(monkeypatch):
+    assert st.resolve("sparsity_threshold") == (1.0, "built-in default")
+    assert st.resolve("sparsity_threshold", 0.2) == (0.2, "tuning profile")
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "0.3")
+    assert st.resolve("sparsity_threshold", 0.2) == (0.3, "$BLOCKDIAG_SPARSITY_THRESHOLD")
+    blockdiag.set_sparsity_threshold(0.4)
+    assert st.resolve("sparsity_threshold", 0.2) == (0.4, "set_config()")
+    with blockdiag.config(sparsity_threshold=0.5):
+        assert st.resolve("sparsity_threshold", 0.2) == (0.5, "blockdiag.config()")
+        with blockdiag.config(sparsity_threshold=0.6):
+            assert blockdiag.get_settings().sparsity_threshold == 0.6
+        assert blockdiag.get_settings().sparsity_threshold == 0.5
+    assert blockdiag.get_settings().sparsity_threshold == 0.4
+    blockdiag.set_sparsity_threshold(None)
+    assert blockdiag.get_settings().sparsity_threshold == 0.3
+
+
+def test_settings_are_resolved_one_by_one():
+    with blockdiag.config(dense_max_groups=3):
+        s = blockdiag.get_settings()
+    assert (s.dense_max_groups, s.sparsity_threshold) == (3, 1.0)
+
+
+def test_config_restores_after_an_exception():
+    with pytest.raises(RuntimeError):
+        with blockdiag.config(sparsity_threshold=0.1):
+            raise RuntimeError("boom")
+    assert blockdiag.get_settings().sparsity_threshold == 1.0
+
+
+def test_config_is_thread_local():
+    seen = []
+    with blockdiag.config(sparsity_threshold=0.1):
+        t = threading.Thread(target=lambda: seen.append(blockdiag.get_settings().sparsity_threshold))
+        t.start()
+        t.join()
+    assert seen == [1.0]
+
+
+def test_token_changes_with_every_explicit_source(monkeypatch):
+    t0 = st.token()
+    with blockdiag.config(sparsity_threshold=0.1):
+        t1 = st.token()
+    blockdiag.set_config(dense_max_groups=2)
+    t2 = st.token()
+    monkeypatch.setenv("BLOCKDIAG_DENSE_MAX_ELEMENTS", "7")
+    t3 = st.token()
+    monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere")
+    t4 = st.token()
+    assert len({t0, t1, t2, t3, t4}) == 5
