@@ -242,7 +242,6 @@ def _fmt_us(v) -> str:
 
 def cmd_bench(args) -> int:
     import contextlib
-    import json
 
     from . import profile as prof
     from .settings import config
@@ -290,7 +289,7 @@ def cmd_bench(args) -> int:
 
 
 def _write_json_atomic(path: str, obj) -> None:
-    import json
+
     import os
     import tempfile
 

@@ -49,7 +49,9 @@ def _cell(backend, device: str, dtype: torch.dtype) -> str:
     ok = backend.dtypes.get(device, frozenset())
     if dtype not in ok:
         return "–"
-    return "fwd + bwd" if backend.grad else "fwd"
+    if not backend.grad:
+        return "fwd"
+    return "fwd + bwd²" if getattr(backend, "double_grad", True) else "fwd + bwd"
 
 
 def _shape_rules(backend) -> str:
@@ -84,7 +86,9 @@ def support_matrix_markdown() -> str:
         tables.append("\n".join(rows))
     table = "\n\n".join(tables)
     legend = (
-        "*fwd + bwd*: forward and backward (gradients for input, weight and bias); *fwd*: "
+        "*fwd + bwd*: forward and backward (gradients for input, weight and bias), first-order "
+        "only (a `create_graph=True` backward raises `BlockDiagError`); *fwd + bwd²*: the "
+        "backward is itself differentiable (double backward, gradient penalties); *fwd*: "
         "forward only; *–*: declined (`auto` skips it, a fixed `backend=` raises "
         "`BlockDiagError` with the reason). *sparse* backends are candidates for `auto` "
         "only above the sparsity threshold."

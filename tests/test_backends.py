@@ -277,3 +277,23 @@ def test_mixed_devices_raise_on_meta():
 def test_integer_input_raises():
     with pytest.raises(BlockDiagError, match="int64"):
         grouped_linear(torch.ones(2, 4, dtype=torch.int64), torch.ones(2, 3, 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_double_backward_follows_declaration(name):
+    """``double_grad=True`` backends pass gradgradcheck; the others refuse, never return a constant."""
+    _available(name)
+    lead, g, i, o = (3,), 2, 3, 2
+    if _expect_decline(name, lead, g, i, o, torch.float64, "cpu", True):
+        return
+    x, w, b = _inputs(lead, g, i, o, torch.float64, "cpu")
+    fn = lambda x, w, b: grouped_linear(x, w, b, backend=name)  # noqa: E731
+    if get(name).double_grad:
+        assert torch.autograd.gradgradcheck(fn, (x, w, b))
+    else:
+        y = fn(x, w, b)
+        with pytest.raises(BlockDiagError, match=rf"{name}: the backward is first-order only"):
+            torch.autograd.grad(y.square().sum(), (x,), create_graph=True)
+        # plain first-order backward still works
+        (gx,) = torch.autograd.grad(fn(x, w, b).square().sum(), (x,))
+        torch.testing.assert_close(gx, torch.autograd.grad(reference_loop(x, w, b).square().sum(), (x,))[0])

@@ -72,6 +72,10 @@ class Backend:
         requires: an optional module it needs (imported lazily, only inside ``fn``).
         constraint: extra shape rules: returns the reason it declines a problem, or None.
         summary: one line for tables and docs.
+        double_grad: whether its backward is itself differentiable (``create_graph=True``,
+            gradient penalties, Hessian-vector products). A first-order backend refuses such
+            a backward with :class:`BlockDiagError` instead of silently treating the
+            gradient as a constant.
         probe: extra installation check beyond ``requires`` (a torch feature, a GPU
             generation): returns why the backend cannot run here at all, or None.
     """
@@ -85,6 +89,7 @@ class Backend:
     constraint: Optional[Callable[[Problem], Optional[str]]] = None
     summary: str = ""
     probe: Optional[Callable[[], Optional[str]]] = None
+    double_grad: bool = True
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
@@ -158,3 +163,26 @@ def registry() -> Mapping[str, Backend]:
     import types
 
     return types.MappingProxyType(_REGISTRY)
+
+
+def first_order_only(backward: Callable) -> Callable:
+    """Wrap an ``autograd.Function.backward`` that is not itself differentiable.
+
+    Put it above ``@once_differentiable``: under ``create_graph=True`` grad mode is on
+    when the backward runs, and the result would silently be treated as a constant (a
+    gradient penalty through it would be zero), so refuse instead.
+    """
+    import functools
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise BlockDiagError(
+                f"{getattr(ctx, 'backend_name', 'this backend')}: the backward is first-order only and "
+                "cannot be differentiated again (create_graph=True); use backend 'bmm', 'bmm_fm', "
+                "'dense' or 'loop' for double backward"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+

@@ -14,14 +14,17 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._registry import first_order_only
+
 # spmm(w [G, r, c], dense [G*c, K]) -> [G*r, K]: block-diagonal(w) @ dense via a sparse layout.
 SpMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _SparseBlockLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, spmm: SpMM):
+    def forward(ctx, x, weight, bias, spmm: SpMM, name: str):
         ctx.spmm = spmm
+        ctx.backend_name = name
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         # y^T = W_bd @ x^T: torch's sparse kernels take the sparse operand on the left.
@@ -31,6 +34,7 @@ class _SparseBlockLinear(torch.autograd.Function):
         return yt.t()
 
     @staticmethod
+    @first_order_only
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
@@ -46,11 +50,11 @@ class _SparseBlockLinear(torch.autograd.Function):
             dw = torch.bmm(dyg, xg)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def sparse_block_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spmm: SpMM
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spmm: SpMM, name: str
 ) -> torch.Tensor:
     """``x @ block_diag(*weight).T + bias`` with ``spmm`` doing the block-diagonal product."""
-    return _SparseBlockLinear.apply(x, weight, bias, spmm)
+    return _SparseBlockLinear.apply(x, weight, bias, spmm, name)

@@ -33,7 +33,7 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 def bsr(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ block_diag_bsr(weight, square blocks).T + bias``; compact per-block weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm)
+    return sparse_block_linear(x, weight, bias, _spmm, "bsr")
 
 
 def triton_applies(p: Problem) -> bool:
@@ -75,6 +75,7 @@ def _constraint(p: Problem) -> str | None:
 BACKEND = register(
     Backend(
         name="bsr",
+        double_grad=False,
         fn=bsr,
         dtypes={"cpu": F32_F64, "cuda": FLOATS},
         sparse=True,

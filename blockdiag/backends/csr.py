@@ -15,12 +15,13 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 def csr(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ block_diag_csr(weight).T + bias``; compact per-block weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm)
+    return sparse_block_linear(x, weight, bias, _spmm, "csr")
 
 
 BACKEND = register(
     Backend(
         name="csr",
+        double_grad=False,
         fn=csr,
         dtypes={"cpu": F32_F64, "cuda": FLOATS},
         sparse=True,

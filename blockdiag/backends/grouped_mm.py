@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._registry import Backend, Problem, register
+from ._registry import Backend, Problem, first_order_only, register
 
 # TMA transfers need 16-byte alignment of base pointers and leading strides.
 _ALIGN_BYTES = 16
@@ -53,11 +53,13 @@ class _GroupedMMLinear(torch.autograd.Function):
         g, o, i = weight.shape
         n = x.shape[0]
         ctx.save_for_backward(x, weight)
+        ctx.backend_name = "grouped_mm"
         xg = x.view(n, g, i).transpose(0, 1)  # [G, N, in], row-major rows of stride G*in
         y = _gmm(xg, weight.transpose(1, 2))  # [G, in, out] read column-major
         return y.transpose(0, 1).reshape(n, g * o)
 
     @staticmethod
+    @first_order_only
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
@@ -115,6 +117,7 @@ def _constraint(p: Problem) -> str | None:
 BACKEND = register(
     Backend(
         name="grouped_mm",
+        double_grad=False,
         fn=grouped_mm,
         dtypes={"cuda": frozenset({torch.bfloat16})},
         constraint=_constraint,

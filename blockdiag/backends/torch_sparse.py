@@ -40,7 +40,7 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 def torch_sparse(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ block_diag(*weight).T + bias`` through torch-sparse's SpMM; compact weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm)
+    return sparse_block_linear(x, weight, bias, _spmm, "torch_sparse")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +59,7 @@ def _constraint(p: Problem) -> str | None:
 BACKEND = register(
     Backend(
         name="torch_sparse",
+        double_grad=False,
         fn=torch_sparse,
         dtypes={"cpu": F32_F64, "cuda": frozenset({torch.float16, torch.float32, torch.float64})},
         sparse=True,
