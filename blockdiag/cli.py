@@ -289,7 +289,7 @@ def cmd_bench(args) -> int:
 
 
 def _write_json_atomic(path: str, obj) -> None:
-
+    import json
     import os
     import tempfile
 
