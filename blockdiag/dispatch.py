@@ -146,11 +146,8 @@ def choose(problem: Problem) -> Plan:
     Returns:
         a :class:`Plan` (print it for a readable report).
     """
-    tok = _config.token()
-    explicit = _config._explicit("profile")
-    path = explicit[0] if explicit else None
-    entry, source, ptoken = _profile.cached_entry(problem.device, problem.dtype, path, tok[2])
-    key = (problem, tok, ptoken, len(names()))
+    state, entry, source = _state(problem.device, problem.dtype)
+    key = (problem, state)
     plan = _cache.get(key)
     if plan is None:
         if len(_cache) > 4096:
@@ -158,6 +155,34 @@ def choose(problem: Problem) -> Plan:
         label = "built-in table" if source == "built-in defaults" else "tuning profile"
         plan = _cache[key] = _rank(problem, _resolved_settings(entry, label), source, entry)
     return plan
+
+
+def state_token(device: str, dtype: torch.dtype) -> tuple:
+    """A value that changes whenever anything but the problem that ``choose`` reads may change.
+
+    That is: the settings in force (config frames, ``set_*``, environment), the matching
+    profile (path and modification times) and the registry. Callers that memoize a choice
+    (``GroupedLinear``'s per-call fast path) key on it, so they can never go stale.
+    """
+    return _state(device, dtype)[0]
+
+
+def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:
+    tok = _config.token()
+    path = _profile_path.get(tok, _MISSING)
+    if path is _MISSING:
+        # The profile path is a function of the explicit settings, which ``tok`` captures.
+        explicit = _config._explicit("profile")
+        path = explicit[0] if explicit else None
+        if len(_profile_path) > 64:
+            _profile_path.clear()
+        _profile_path[tok] = path
+    entry, source, ptoken = _profile.cached_entry(device, dtype, path, tok[2])
+    return (tok, ptoken, len(names())), entry, source
+
+
+_MISSING = object()
+_profile_path: dict = {}
 
 
 

@@ -1,5 +1,6 @@
 """The chooser's logic: constraint filtering, thresholds, ranking by the table, caching."""
 
+import dataclasses
 import os
 
 import pytest
@@ -206,3 +207,66 @@ def test_grouped_linear_plan_is_choose(prof):
     plan = layer.plan(torch.randn(8, 6))
     assert plan is choose(Problem(8, 2, 3, 5, requires_grad=True))
     assert plan.backend == "bmm"
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record which backends actually run (wrapping each registered kernel)."""
+    ran = []
+    for name in names():
+        b = _registry.get(name)
+
+        def fn(x, w, bias, _inner=b.fn, _name=name):
+            ran.append(_name)
+            return _inner(x, w, bias)
+
+        monkeypatch.setitem(_registry._REGISTRY, name, dataclasses.replace(b, fn=fn))
+    return ran
+
+
+def test_forward_fast_path_follows_settings_profile_and_grad(prof, spy, monkeypatch):
+    """The per-call memo of GroupedLinear / grouped_linear never runs a stale choice."""
+    prof(point(batch=8, groups=2, block_in=3, block_out=5, loop=1.0, bmm=2.0),
+         point(batch=8, groups=2, block_in=3, block_out=5, mode="train", bmm=1.0, loop=2.0))
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    x = torch.randn(8, 6)
+
+    def runs(**kw):
+        spy.clear()
+        with torch.set_grad_enabled(kw.get("grad", False)):
+            layer(x)
+            blockdiag.grouped_linear(x, layer.weight, layer.bias)
+        assert spy[0] == spy[1], spy
+        return spy[0]
+
+    assert runs() == "loop" and runs() == "loop"
+    assert runs(grad=True) == "bmm"  # requires_grad flips the mode
+    # a new profile on disk is seen at once
+    write(profile.default_profile_path(),
+          entry([point(batch=8, groups=2, block_in=3, block_out=5, loop=2.0, conv=1.0, csr=0.5)]))
+    assert runs() == "conv"  # csr is faster but below the default threshold ("never")
+    with blockdiag.config(sparsity_threshold=0.0):
+        assert runs() == "csr"
+    assert runs() == "conv"
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "0.5")
+    assert runs() == "csr"
+    monkeypatch.delenv("BLOCKDIAG_SPARSITY_THRESHOLD")
+    assert runs() == "conv"
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(profile.default_profile_path()) + ".missing")
+    profile.clear_cache()
+    assert runs() == choose(Problem(8, 2, 3, 5)).backend != "conv"
+    # a fixed backend bypasses the table, and switching it back to auto is immediate
+    layer.backend = "dense"
+    spy.clear()
+    layer(x)
+    assert spy == ["dense"]
+
+
+def test_fast_path_still_checks_new_shapes():
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    layer(torch.randn(4, 6))
+    with pytest.raises(BlockDiagError, match=r"input has shape \(4, 7\)"):
+        layer(torch.randn(4, 7))
+    with pytest.raises(BlockDiagError, match=r"float64"):
+        layer(torch.randn(4, 6, dtype=torch.float64))
+    assert layer(torch.randn(2, 3, 6)).shape == (2, 3, 10)

@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import check, check_groups, check_same_device_dtype
 from ..backends import Problem, get
-from ..dispatch import Plan, plan_for
+from ..dispatch import Plan, plan_for, state_token
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -96,18 +96,44 @@ def grouped_linear(
         BlockDiagError: on mismatched shapes, devices or dtypes, an unknown backend, or a
             backend that cannot run this input.
     """
-    fn = "grouped_linear"
     x, weight, bias = _autocast(x, weight, bias)
-    p = _problem(fn, x, weight, bias)
-    plan = plan_for(backend, p, fn)
-    return _run(plan.backend, x, weight, bias)
+    return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+
+
+# The per-call fast path. Everything the plan depends on is in the key: the shapes, dtypes
+# and devices of all three operands (so validity, too, is a function of the key: only
+# inputs that passed the checks are ever stored), whether autograd records, and for
+# ``auto`` the chooser's state token (settings in force, profile, registry). A hit skips
+# the checks, building the Problem and the chooser's own cache lookup, which together cost
+# as much as a small product.
+_SELECTED: dict = {}
+
+
+def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The backend name to run for these operands (checked and planned on a miss)."""
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    key = (
+        backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device), grad,
+        state_token(x.device.type, x.dtype) if backend == "auto" else None,
+    )
+    name = _SELECTED.get(key)
+    if name is None:
+        name = plan_for(backend, _problem(fn, x, weight, bias), fn).backend
+        if len(_SELECTED) > 4096:
+            _SELECTED.clear()
+        _SELECTED[key] = name
+    return name
 
 
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dim() == 2:
+        return get(name).fn(x, weight, bias)
     g, o, i = weight.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, g * i)
-    y = get(name).fn(x2, weight, bias)
+    y = get(name).fn(x.reshape(-1, g * i), weight, bias)
     return y.reshape(*lead, g * o)
 
 
@@ -198,8 +224,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, w, b = _autocast(x, self.weight, self.bias)
-        name = type(self).__name__
-        return _run(plan_for(self.backend, _problem(name, x, w, b), name).backend, x, w, b)
+        return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
 
     def extra_repr(self) -> str:
         return (
