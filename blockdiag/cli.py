@@ -283,25 +283,9 @@ def cmd_bench(args) -> int:
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "statistic": args.stat, "rounds": args.repeat, "argv": sys.argv[1:],
                "summary": summary, "rows": rows}
-        _write_json_atomic(args.json, out)
+        prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0
-
-
-def _write_json_atomic(path: str, obj) -> None:
-    import json
-    import os
-    import tempfile
-
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def build_parser() -> argparse.ArgumentParser:

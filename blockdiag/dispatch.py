@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from . import settings as _config
 from . import profile as _profile
 from ._errors import BlockDiagError

@@ -265,17 +265,27 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
     _validate(doc, str(p))
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_json_atomic(p, doc)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
     _entry_cache.clear()
     return p
+
+
+def write_json_atomic(path: Path | str, obj: Any) -> None:
+    """Write ``obj`` as JSON to a temp file beside ``path``, then rename it over ``path``.
+
+    Readers see the old file or the new one, never a half-written one; on any error the
+    temp file is removed and ``path`` is untouched.
+    """
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        os.unlink(tmp)
+        raise
