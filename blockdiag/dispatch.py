@@ -28,7 +28,7 @@ import torch
 from . import settings as _config
 from . import profile as _profile
 from ._errors import BlockDiagError
-from .backends import Problem, get, names
+from .backends import Backend, Problem, get, names
 
 __all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "nearest_measurement"]
 
@@ -185,22 +185,18 @@ def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]
 
 _MISSING = object()
 _profile_path: dict = {}
-
-
-
 _cache: dict = {}
 
 
-def settings_exclusion(name: str, sparse: bool, p: Problem, s: dict) -> Optional[str]:
-    """Why the chooser's settings exclude backend ``name`` from ``p``, or None."""
-    if sparse and p.sparsity < s["sparsity_threshold"]:
+def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
+    """Why the chooser's settings exclude backend ``b`` from ``p``, or None."""
+    if b.sparse and p.sparsity < s["sparsity_threshold"]:
         return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
-    if name == "dense":
-        elems = p.groups**2 * p.block_in * p.block_out
+    if b.dense_matrix:
         if p.groups > s["dense_max_groups"]:
             return f"groups={p.groups} > dense_max_groups={s['dense_max_groups']}"
-        if elems > s["dense_max_elements"]:
-            return f"dense matrix has {elems} entries > dense_max_elements={s['dense_max_elements']}"
+        if p.dense_elements > s["dense_max_elements"]:
+            return f"dense matrix has {p.dense_elements} entries > dense_max_elements={s['dense_max_elements']}"
     return None
 
 
@@ -218,7 +214,7 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     ok: list[str] = []
     for name in names():
         b = get(name)
-        why = b.decline_reason(p) or settings_exclusion(name, b.sparse, p, s)
+        why = b.decline_reason(p) or settings_exclusion(b, p, s)
         if why is None:
             ok.append(name)
         else:

@@ -287,8 +287,8 @@ def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str],
     for name in backends if backends is not None else names():
         b = get(name, "tune")
         why = b.decline_reason(p)
-        if why is None and name == "dense" and p.groups**2 * p.block_in * p.block_out > MAX_DENSE_ELEMENTS:
-            why = f"skipped: its dense matrix would have {p.groups**2 * p.block_in * p.block_out} entries"
+        if why is None and b.dense_matrix and p.dense_elements > MAX_DENSE_ELEMENTS:
+            why = f"skipped: its dense matrix would have {p.dense_elements} entries"
         if why is None:
             ok.append(name)
         else:
@@ -393,7 +393,7 @@ def derive_settings(measurements: Sequence[dict]) -> dict:
         best = min(t, key=t.get)
         s = 1.0 - 1.0 / m["groups"] if m["groups"] else 0.0
         wins_sparse.setdefault(round(s, 6), []).append(best in reg and reg[best].sparse)
-        if best == "dense":
+        if best in reg and reg[best].dense_matrix:
             dense_g = max(dense_g, m["groups"])
             dense_e = max(dense_e, m["groups"] ** 2 * m["block_in"] * m["block_out"])
     threshold = 1.0

@@ -42,6 +42,11 @@ class Problem:
         return 2 * self.batch * self.groups * self.block_in * self.block_out
 
     @property
+    def dense_elements(self) -> int:
+        """Entries of the dense ``[G*out, G*in]`` block-diagonal matrix (grows with ``groups**2``)."""
+        return self.groups**2 * self.block_in * self.block_out
+
+    @property
     def mode(self) -> str:
         """``"train"`` (forward and backward) or ``"forward"``."""
         return "train" if self.requires_grad else "forward"
@@ -69,6 +74,9 @@ class Backend:
         grad: whether it gives gradients for input, weight and bias.
         sparse: whether it multiplies through a sparse layout (then ``auto`` considers it only
             above the sparsity threshold).
+        dense_matrix: whether it materializes the dense ``[G*out, G*in]`` matrix (then
+            ``auto`` considers it only up to ``dense_max_groups`` / ``dense_max_elements``,
+            and ``tune`` skips it where that matrix would be huge).
         requires: an optional module it needs (imported lazily, only inside ``fn``).
         constraint: extra shape rules: returns the reason it declines a problem, or None.
         summary: one line for tables and docs.
@@ -85,6 +93,7 @@ class Backend:
     dtypes: Mapping[str, frozenset] = field(default_factory=dict)
     grad: bool = True
     sparse: bool = False
+    dense_matrix: bool = False
     requires: Optional[str] = None
     constraint: Optional[Callable[[Problem], Optional[str]]] = None
     summary: str = ""

@@ -19,6 +19,7 @@ BACKEND = register(
         name="dense",
         fn=dense,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
+        dense_matrix=True,
         summary="one GEMM on the dense block-diagonal matrix (G^2 memory; few small groups)",
     )
 )
