@@ -16,22 +16,6 @@ __all__ = ["GroupedLinear", "grouped_linear"]
 
 
 def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
-    # Runs on every forward call: test the conditions first and build the error messages
-    # (tens of microseconds of formatting) only when one fails.
-    if weight.dim() == 3 and x.dim() >= 1:
-        g, o, i = weight.shape
-        dev, dt = x.device, x.dtype
-        if (
-            x.shape[-1] == g * i
-            and weight.device == dev
-            and weight.dtype == dt
-            and (bias is None or (bias.shape == (g * o,) and bias.device == dev and bias.dtype == dt))
-        ):
-            n = x.numel() // (g * i) if g * i else 0
-            grad = torch.is_grad_enabled() and (
-                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-            )
-            return Problem(n, g, i, o, dt, dev.type, grad)
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
@@ -45,10 +29,14 @@ def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         check(fn, bias.shape == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
     check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
     n = x.numel() // (g * i) if g * i else 0
-    grad = torch.is_grad_enabled() and (
+    return Problem(n, g, i, o, x.dtype, x.device.type, _records_grad(x, weight, bias))
+
+
+def _records_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether autograd records this product (then the backward's cost counts too)."""
+    return torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    return Problem(n, g, i, o, x.dtype, x.device.type, grad)
 
 
 def _autocast(
@@ -111,9 +99,7 @@ _SELECTED: dict = {}
 
 def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """The backend name to run for these operands (checked and planned on a miss)."""
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    grad = _records_grad(x, weight, bias)
     key = (
         backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
         None if bias is None else (bias.shape, bias.dtype, bias.device), grad,
