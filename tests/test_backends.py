@@ -114,6 +114,30 @@ def test_forward_backward_matches_references(name, device, dtype, lead, g, i, o)
         torch.testing.assert_close(got.cpu(), want, **tol)
 
 
+@pytest.mark.parametrize("grad_kind", ["expanded", "transposed"])
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backward_with_non_contiguous_output_grad(name, device, dtype, grad_kind):
+    # y.sum() hands the backward a stride-0 gradient, and a gradient flowing back from a
+    # transpose is column-major; backends that slice or write gradients in place must
+    # read them correctly.
+    _available(name)
+    lead, g, i, o = (7,), 3, 4, 5
+    if _expect_decline(name, lead, g, i, o, dtype, device, True):
+        return
+    x, w, b = _inputs(lead, g, i, o, dtype, device)
+    if grad_kind == "expanded":
+        gy = torch.ones((), dtype=dtype, device=device).expand(7, g * o)
+    else:
+        gy = torch.randn(g * o, 7, dtype=dtype, device=device).t()
+    assert not gy.is_contiguous()
+    got = torch.autograd.grad(grouped_linear(x, w, b, backend=name), (x, w, b), gy)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(reference_loop(xr, wr, br), (xr, wr, br), gy.contiguous())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **tolerances(dtype, 7))
+
+
 @pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_no_bias_and_forward_only(name, device, dtype):

@@ -1,19 +1,71 @@
-"""``loop``: the reference. A Python loop of ``F.linear`` over the groups, then ``torch.cat``."""
+"""``loop``: one GEMM per group, each written straight into its slice of the result.
+
+The naive loop (``F.linear`` per input slice, then ``torch.cat``) copies the output once in
+forward and, worse, the whole input gradient once in backward (``split``'s backward is a
+``cat``). Here every per-group product is an ``addmm``/``mm`` with ``out=`` a strided view
+of one preallocated tensor: a ``[N, o]`` slice of ``[N, G*o]`` has strides ``(G*o, 1)``,
+which BLAS takes as a leading dimension, so nothing is copied, in forward or backward.
+That makes it the fastest backend for few, large per-group GEMMs in training (large
+batches with 150x10 or 256x256 blocks on CPU), where a batched matmul pays for a
+``[G, N, in]`` input-gradient buffer and its transpose.
+
+The backward is differentiable again (``create_graph=True``): then it is computed from
+differentiable ops instead of ``out=`` writes.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._registry import FLOATS, Backend, register
 
 
+class _Loop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        g, o, i = weight.shape
+        y = x.new_empty(x.shape[0], g * o)
+        for k in range(g):
+            xs, ys, wt = x[:, k * i:(k + 1) * i], y[:, k * o:(k + 1) * o], weight[k].t()
+            if bias is None:
+                torch.mm(xs, wt, out=ys)
+            else:
+                torch.addmm(bias[k * o:(k + 1) * o], xs, wt, out=ys)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        g, o, i = weight.shape
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = gw = gb = None
+        if torch.is_grad_enabled():
+            # create_graph=True: build the gradients from differentiable ops.
+            gys = gy.split(o, dim=1)
+            if need_x:
+                gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
+            if need_w:
+                xs = x.split(i, dim=1)
+                gw = torch.stack([gys[k].t() @ xs[k] for k in range(g)])
+        else:
+            if need_x:
+                gx = x.new_empty(x.shape)
+                for k in range(g):
+                    torch.mm(gy[:, k * o:(k + 1) * o], weight[k], out=gx[:, k * i:(k + 1) * i])
+            if need_w:
+                gw = weight.new_empty(weight.shape)
+                for k in range(g):
+                    torch.mm(gy[:, k * o:(k + 1) * o].t(), x[:, k * i:(k + 1) * i], out=gw[k])
+        if ctx.has_bias and need_b:
+            gb = gy.sum(0)
+        return gx, gw, gb
+
+
 def loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``."""
-    g, o, i = weight.shape
-    xs = x.split(i, dim=-1)
-    bs = bias.split(o) if bias is not None else [None] * g
-    return torch.cat([F.linear(xs[k], weight[k], bs[k]) for k in range(g)], dim=-1)
+    return _Loop.apply(x, weight, bias)
 
 
 BACKEND = register(
@@ -21,6 +73,6 @@ BACKEND = register(
         name="loop",
         fn=loop,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
-        summary="Python loop of F.linear + cat (the reference; wins for few, large groups)",
+        summary="one GEMM per group written in place (no cat, in forward or backward); wins for few, large GEMMs",
     )
 )
