@@ -258,7 +258,7 @@ def cmd_bench(args) -> int:
                      stat=args.stat, progress=sys.stderr)
     names_ = sorted({n for r in rows for n in r.get("times_us", {})})
     head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n:>9s}" for n in names_)
-    head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
+    head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'a/kern':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
     print(head)
     for r in rows:
         lead = f"{r['mode']:7s} {r['batch']:5d} {r['groups']:4d} {str(r['block_in']) + 'x' + str(r['block_out']):>8s} "
@@ -270,7 +270,7 @@ def cmd_bench(args) -> int:
         xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
         xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
         print(lead + " ".join(f"{_fmt_us(t.get(n)):>9s}" for n in names_)
-              + f" {_fmt_us(r['auto_us']):>9s} {r['auto']:>8s} {r['auto_over_fastest']:6.2f}"
+              + f" {_fmt_us(r['auto_us']):>9s} {r['auto']:>8s} {r['auto_over_fastest']:6.2f} {r['auto_over_kernel']:6.2f}"
               + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}")
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
     if skipped:

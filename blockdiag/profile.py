@@ -214,7 +214,8 @@ def cached_entry(
     if hit is not None and hit[1][2] == token:
         _entry_cache[key] = (now, hit[1])
         return hit[1]
-    entry, source = load_entry(device, dtype, p)
+    # ``device`` may be a ``torch.device`` (the per-call path passes ``x.device`` as is).
+    entry, source = load_entry(getattr(device, "type", device), dtype, p)
     out = (entry, source, token)
     _entry_cache[key] = (now, out)
     return out
@@ -227,9 +228,20 @@ def _mtime(path: str) -> Optional[int]:
         return None
 
 
+# Bumped whenever what was read from profile files is forgotten: callers that memoize
+# results derived from ``cached_entry`` (the chooser's state token) key on it.
+generation = 0
+
+
+def _bump() -> None:
+    global generation
+    _entry_cache.clear()
+    generation += 1
+
+
 def clear_cache() -> None:
     """Forget what was read from profile files (the next ``auto`` call reads them again)."""
-    _entry_cache.clear()
+    _bump()
     _read.cache_clear()
     _warned.clear()
 
@@ -268,7 +280,7 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
         write_json_atomic(p, doc)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
-    _entry_cache.clear()
+    _bump()
     return p
 
 

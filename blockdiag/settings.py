@@ -53,8 +53,17 @@ _ENV = {
 }
 _FIELDS = tuple(_ENV)
 
+class _Local(threading.local):
+    # Class-level default: reading ``key`` in a thread that never entered ``config`` is a
+    # plain lookup (``getattr(local, name, default)`` raises and catches, ~0.4 us).
+    key: tuple = ()
+
+
 _global: dict[str, Any] = {}
-_local = threading.local()
+_local = _Local()
+# Hashable snapshots of ``_global`` and of this thread's config stack, rebuilt when they
+# change (rarely) so that :func:`token`, read on every ``auto`` call, only looks them up.
+_global_key: tuple = ()
 
 
 def _validate(name: str, value: Any, source: str) -> Any:
@@ -87,12 +96,17 @@ def set_config(**settings: Any) -> None:
     Raises:
         BlockDiagError: unknown setting or out-of-range value.
     """
-    for k, v in settings.items():
-        if v is None:
-            _validate(k, 0 if k != "profile" else None, "set_config")
-            _global.pop(k, None)
-        else:
-            _global[k] = _validate(k, v, "set_config")
+    global _global_key
+    try:
+        for k, v in settings.items():
+            if v is None:
+                _validate(k, 0 if k != "profile" else None, "set_config")
+                _global.pop(k, None)
+            else:
+                _global[k] = _validate(k, v, "set_config")
+    finally:
+        # Also after a bad value: the settings applied before it stay applied.
+        _global_key = tuple(sorted(_global.items()))
 
 
 def set_sparsity_threshold(value: float | None) -> None:
@@ -136,10 +150,16 @@ def config(**settings: Any) -> Iterator[None]:
     frame = {k: _validate(k, v, "config") for k, v in settings.items()}
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(frame)
+    _local.key = _stack_key(stack)
     try:
         yield
     finally:
         stack.pop()
+        _local.key = _stack_key(stack)
+
+
+def _stack_key(stack: list) -> tuple:
+    return tuple(tuple(sorted(f.items())) for f in stack)
 
 
 def _explicit(name: str) -> tuple[Any, str] | None:
@@ -177,13 +197,11 @@ _TOKEN_KEYS = tuple(_ENCODE(v) for v in _TOKEN_VARS) if _ENV_DATA is not None an
 
 def token() -> tuple:
     """A cheap value that changes whenever any explicit setting (config, set_*, env) does."""
-    stack = getattr(_local, "stack", None)
-    frames = tuple(tuple(sorted(f.items())) for f in stack) if stack else ()
     if _TOKEN_KEYS is not None:
         env = tuple(map(_ENV_DATA.get, _TOKEN_KEYS))
     else:
         env = tuple(map(os.environ.get, _TOKEN_VARS))
-    return frames, tuple(sorted(_global.items())) if _global else (), env
+    return _local.key, _global_key, env
 
 
 def get_settings() -> Settings:

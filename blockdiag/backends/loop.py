@@ -21,16 +21,20 @@ from ._registry import FLOATS, Backend, register
 
 
 class _Loop(torch.autograd.Function):
+    # Per-group views come from one ``split``/``unbind`` each (one op for all groups rather
+    # than a slice per group), which keeps the Python cost per group to the GEMM call.
     @staticmethod
     def forward(ctx, x, weight, bias):
         g, o, i = weight.shape
         y = x.new_empty(x.shape[0], g * o)
-        for k in range(g):
-            xs, ys, wt = x[:, k * i:(k + 1) * i], y[:, k * o:(k + 1) * o], weight[k].t()
-            if bias is None:
-                torch.mm(xs, wt, out=ys)
-            else:
-                torch.addmm(bias[k * o:(k + 1) * o], xs, wt, out=ys)
+        xs, ys, wts = x.split(i, dim=1), y.split(o, dim=1), weight.transpose(1, 2).unbind(0)
+        if bias is None:
+            for k in range(g):
+                torch.mm(xs[k], wts[k], out=ys[k])
+        else:
+            bs = bias.split(o)
+            for k in range(g):
+                torch.addmm(bs[k], xs[k], wts[k], out=ys[k])
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return y
@@ -41,9 +45,9 @@ class _Loop(torch.autograd.Function):
         g, o, i = weight.shape
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = gw = gb = None
+        gys = gy.split(o, dim=1)
         if torch.is_grad_enabled():
             # create_graph=True: build the gradients from differentiable ops.
-            gys = gy.split(o, dim=1)
             if need_x:
                 gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
             if need_w:
@@ -52,12 +56,14 @@ class _Loop(torch.autograd.Function):
         else:
             if need_x:
                 gx = x.new_empty(x.shape)
+                gxs, ws = gx.split(i, dim=1), weight.unbind(0)
                 for k in range(g):
-                    torch.mm(gy[:, k * o:(k + 1) * o], weight[k], out=gx[:, k * i:(k + 1) * i])
+                    torch.mm(gys[k], ws[k], out=gxs[k])
             if need_w:
                 gw = weight.new_empty(weight.shape)
+                xs, gws = x.split(i, dim=1), gw.unbind(0)
                 for k in range(g):
-                    torch.mm(gy[:, k * o:(k + 1) * o].t(), x[:, k * i:(k + 1) * i], out=gw[k])
+                    torch.mm(gys[k].t(), xs[k], out=gws[k])
         if ctx.has_bias and need_b:
             gb = gy.sum(0)
         return gx, gw, gb

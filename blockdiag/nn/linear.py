@@ -39,6 +39,12 @@ def _records_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
+# One C call that answers "is autocast on for any device?": the common answer (no) then
+# costs ~0.05 us instead of ~0.8 us for the per-device queries below. It is private API, so
+# it is optional: without it the per-device queries alone decide.
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _autocast(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -48,6 +54,8 @@ def _autocast(
     autocasts bmm and conv but not its sparse products) and lets a low-precision input
     meet float32 parameters, as with ``nn.Linear``.
     """
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return x, weight, bias
     dev = x.device.type
     if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
         return x, weight, bias
@@ -99,11 +107,14 @@ _SELECTED: dict = {}
 
 def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """The backend name to run for these operands (checked and planned on a miss)."""
-    grad = _records_grad(x, weight, bias)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    dev, dt = x.device, x.dtype
     key = (
-        backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+        backend, x.shape, dt, dev, weight.shape, weight.dtype, weight.device,
         None if bias is None else (bias.shape, bias.dtype, bias.device), grad,
-        state_token(x.device.type, x.dtype) if backend == "auto" else None,
+        state_token(dev, dt) if backend == "auto" else None,
     )
     name = _SELECTED.get(key)
     if name is None:
