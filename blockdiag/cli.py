@@ -162,7 +162,7 @@ def _check_backends(names_: Sequence[str] | None) -> None:
         get(n, "--backends")
 
 
-def _add_grid_options(sp: argparse.ArgumentParser, default: str) -> None:
+def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 2e-3) -> None:
     sp.add_argument("--device", default="cpu", help="device type to measure on (default cpu)")
     sp.add_argument("--dtype", type=_dtype, default=torch.float32, help="default float32")
     sp.add_argument("--mode", choices=("forward", "train", "both"), default="both",
@@ -175,7 +175,7 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str) -> None:
     sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")
     sp.add_argument("--backends", type=lambda s: [v for v in s.split(",") if v], help="only these backends")
     sp.add_argument("--repeat", type=_positive, default=5, help="interleaved rounds per point (median; default 5)")
-    sp.add_argument("--min-time", type=_nonneg_float, default=2e-3, help="seconds per sample (default 0.002)")
+    sp.add_argument("--min-time", type=_nonneg_float, default=min_time, help=f"seconds per sample (default {min_time:g})")
     sp.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic over the rounds (default median; min on a busy shared machine)")
     sp.add_argument("--max-gflop", type=_nonneg_float, default=float("inf"),
@@ -319,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid")
-    _add_grid_options(b, "full")
+    # bench verifies claims, so it samples longer than tune: a 1-10 ms product then gets
+    # several calls per sample (after an untimed one) instead of one cold call.
+    _add_grid_options(b, "full", min_time=1e-2)
     b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")

@@ -6,8 +6,9 @@ shared machine hit all of them alike. A sample runs the product enough times to 
 about ``min_time`` seconds (calibrated like ``timeit.autorange``, after an untimed call
 that wakes the thread pool), so neither the timer's resolution nor a parked worker
 thread decides the figure for small shapes. A backend more than ``prune`` times slower
-than the best after the first round is not run again at that point (its one sample is
-kept): the slow layouts would otherwise dominate the run time.
+than the best after two rounds (comparing each one's faster sample, so that one stall
+does not count) is not run again at that point (its samples are kept): the slow layouts
+would otherwise dominate the run time.
 
 >>> from blockdiag.tuning import Grid, tune
 >>> entry = tune(Grid((8,), (2,), ((4, 4),)), modes=("forward",), rounds=1, min_time=0.0)
@@ -218,8 +219,8 @@ def measure(
         device: device type to synchronize.
         rounds: samples per step (median taken).
         min_time: seconds each sample should last (the call is repeated to reach it).
-        prune: after the first round, steps slower than ``prune`` x the best are not rerun
-            (0 disables this).
+        prune: after two rounds, steps whose faster sample is slower than ``prune`` x the
+            best one's are not rerun (0 disables this).
         keep: steps never pruned (and not counted as the best).
         stat: ``"median"`` of the samples, or ``"min"`` (on a machine shared with other
             jobs the noise only ever adds time, and the minimum is the robust estimate).
@@ -238,7 +239,7 @@ def measure(
             run()  # warm-up: allocator, lazy init, oneDNN primitive caches
             # Calibrate like timeit.autorange: one call can be a stall (a parked worker
             # thread waking up), so time growing batches until one lasts min_time.
-            n, dt = 1, 0.0
+            n, dt, retimed = 1, 0.0, False
             while True:
                 _sync(device)
                 t0 = time.perf_counter()
@@ -246,7 +247,14 @@ def measure(
                     run()
                 _sync(device)
                 total = time.perf_counter() - t0
+                if n == 1 and retimed:
+                    total = min(total, dt)
                 dt = total / n
+                if n == 1 and total >= min_time and not retimed:
+                    # One call over min_time may have been a stall; its time would also be
+                    # the first sample, so time it once more and keep the smaller.
+                    retimed = True
+                    continue
                 if total >= min_time or n >= 1000:
                     break
                 n = min(1000, n * 4)
@@ -257,12 +265,14 @@ def measure(
         samples[name] = [dt] if n == 1 else []
     order = list(samples)
     for r in range(rounds):
-        if r == 1 and prune:
+        if r == 2 and prune:
+            # After two samples each, judged on the faster one: a single stalled sample must
+            # not drop the fastest backend from the run.
             keep = set(keep)
-            meds = {n: statistics.median(v) for n, v in samples.items() if v and n not in keep}
-            if meds:
-                best = min(meds.values())
-                order = [n for n in order if n not in meds or meds[n] <= prune * best]
+            fastest = {n: min(v) for n, v in samples.items() if v and n not in keep}
+            if fastest:
+                best = min(fastest.values())
+                order = [n for n in order if n not in fastest or fastest[n] <= prune * best]
         k = r % max(len(order), 1)
         for name in order[k:] + order[:k]:
             if r == 0 and reps[name] == 1 and samples[name]:
@@ -492,7 +502,7 @@ def bench(
     modes: Sequence[str] = ("forward", "train"),
     backends: Optional[Iterable[str]] = None,
     rounds: int = 5,
-    min_time: float = 2e-3,
+    min_time: float = 1e-2,
     baselines: bool = True,
     memory: bool = True,
     max_gflop: float = float("inf"),

@@ -126,7 +126,29 @@ def test_measure_reports_failures_and_prunes():
 
     times, failed = measure({"fast": lambda: None, "slow": slow, "broken": broken}, "cpu", rounds=4, min_time=0.0)
     assert set(times) == {"fast", "slow"} and "not implemented here" in failed["broken"]
-    assert calls["slow"] == 2  # warm-up and one timed (calibration) run, then pruned
+    # Warm-up, the calibration run timed twice (a single slow call may be a stall), the
+    # second round's sample; then pruned after two rounds.
+    assert calls["slow"] == 4
+
+
+def test_a_single_stall_does_not_prune_the_fastest():
+    import time as _time
+
+    calls = {"flaky": 0, "other": 0}
+
+    def step(name, stall_on=None):
+        def run():
+            calls[name] += 1
+            if calls[name] == stall_on:
+                _time.sleep(0.02)
+
+        return run
+
+    # The flaky step's first timed call stalls (the old rule, pruning on the first sample,
+    # dropped it); it is as fast as the other step, so it must be timed in every round.
+    times, _ = measure({"other": step("other"), "flaky": step("flaky", stall_on=2)}, "cpu", rounds=4, min_time=0.0)
+    assert calls["flaky"] == calls["other"] == 6
+    assert times["flaky"] < 0.01
 
 
 def test_derive_settings_finds_the_sparse_crossover():
