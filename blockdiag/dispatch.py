@@ -20,7 +20,6 @@ cannot run the input.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -161,32 +160,7 @@ def choose(problem: Problem) -> Plan:
     return plan
 
 
-def state_token(device: str | torch.device, dtype: torch.dtype) -> tuple:
-    """A value that changes whenever anything but the problem that ``choose`` reads may change.
-
-    ``device`` is a device type or a ``torch.device`` (the per-call path passes ``x.device``
-    as it is, which saves reading ``.type`` on every call).
-
-    That is: the settings in force (config frames, ``set_*``, environment), the matching
-    profile (path and modification times) and the registry. Callers that memoize a choice
-    (``GroupedLinear``'s per-call fast path) key on it, so they can never go stale.
-    """
-    # Memoized for up to the profile's recheck interval, keyed on everything else that can
-    # change it, so that the per-call cost is one settings token and one lookup.
-    tok = _config.token()
-    key = (tok, device, dtype, len(_REGISTRY), _profile.generation)
-    now = time.monotonic()
-    hit = _token_cache.get(key)
-    if hit is not None and now < hit[0]:
-        return hit[1]
-    out = _state(device, dtype)[0]
-    if len(_token_cache) > 256:
-        _token_cache.clear()
-    _token_cache[key] = (now + _profile.RECHECK_S, out)
-    return out
-
-
-def _state(device: str | torch.device, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:
+def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:
     tok = _config.token()
     path = _profile_path.get(tok, _MISSING)
     if path is _MISSING:
@@ -201,7 +175,6 @@ def _state(device: str | torch.device, dtype: torch.dtype) -> tuple[tuple, Optio
 
 
 _MISSING = object()
-_token_cache: dict = {}
 _profile_path: dict = {}
 _cache: dict = {}
 

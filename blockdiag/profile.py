@@ -214,8 +214,7 @@ def cached_entry(
     if hit is not None and hit[1][2] == token:
         _entry_cache[key] = (now, hit[1])
         return hit[1]
-    # ``device`` may be a ``torch.device`` (the per-call path passes ``x.device`` as is).
-    entry, source = load_entry(getattr(device, "type", device), dtype, p)
+    entry, source = load_entry(device, dtype, p)
     out = (entry, source, token)
     _entry_cache[key] = (now, out)
     return out

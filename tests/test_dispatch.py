@@ -1,6 +1,7 @@
 """The chooser's logic: constraint filtering, thresholds, ranking by the table, caching."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -260,6 +261,26 @@ def test_forward_fast_path_follows_settings_profile_and_grad(prof, spy, monkeypa
     spy.clear()
     layer(x)
     assert spy == ["dense"]
+
+
+def test_fast_path_sees_a_profile_rewritten_by_another_process(prof, spy, monkeypatch):
+    # No clear_cache here, as when another process rewrites the file: only the entry's
+    # expiry (profile.RECHECK_S, zero for the test) makes the layer look at the file again.
+    path = prof(point(batch=8, groups=2, block_in=3, block_out=5, loop=1.0, bmm=2.0))
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    x = torch.randn(8, 6)
+    monkeypatch.setattr(profile, "RECHECK_S", 0.0)
+    with torch.no_grad():
+        layer(x)
+        assert spy[-1] == "loop"
+        doc = json.loads(path.read_text())
+        for e in doc["entries"].values():
+            e["measurements"][0]["times_us"] = {"loop": 2.0, "bmm": 1.0}
+        path.write_text(json.dumps(doc))
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        layer(x)
+        assert spy[-1] == "bmm"
 
 
 def test_fast_path_still_checks_new_shapes():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -10,7 +11,10 @@ from torch import nn
 
 from .._checks import check, check_groups, check_same_device_dtype
 from ..backends import Problem, get
-from ..dispatch import Plan, plan_for, state_token
+from .. import profile as _profile
+from .. import settings as _settings
+from ..backends._registry import _REGISTRY
+from ..dispatch import Plan, plan_for
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -99,9 +103,12 @@ def grouped_linear(
 # The per-call fast path. Everything the plan depends on is in the key: the shapes, dtypes
 # and devices of all three operands (so validity, too, is a function of the key: only
 # inputs that passed the checks are ever stored), whether autograd records, and for
-# ``auto`` the chooser's state token (settings in force, profile, registry). A hit skips
-# the checks, building the Problem and the chooser's own cache lookup, which together cost
-# as much as a small product.
+# ``auto`` the settings token (config frames, set_config, environment). What the key cannot
+# hold cheaply is checked on the entry instead: the registry's size, the profile cache's
+# generation (bumped when this process writes or forgets a profile), and an expiry after
+# which the profile file on disk is looked at again (``profile.RECHECK_S``). A hit skips the
+# checks, building the Problem and the chooser's own cache lookup, which together cost as
+# much as a small product.
 _SELECTED: dict = {}
 
 
@@ -110,17 +117,25 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    dev, dt = x.device, x.dtype
+    auto = backend == "auto"
     key = (
-        backend, x.shape, dt, dev, weight.shape, weight.dtype, weight.device,
+        backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
         None if bias is None else (bias.shape, bias.dtype, bias.device), grad,
-        state_token(dev, dt) if backend == "auto" else None,
+        _settings.token() if auto else None,
     )
-    name = _SELECTED.get(key)
-    if name is None:
-        name = plan_for(backend, _problem(fn, x, weight, bias), fn).backend
-        if len(_SELECTED) > 4096:
-            _SELECTED.clear()
+    hit = _SELECTED.get(key)
+    if hit is not None:
+        if not auto:
+            return hit
+        now = time.monotonic()
+        if now < hit[1] and hit[2] == _profile.generation and hit[3] == len(_REGISTRY):
+            return hit[0]
+    name = plan_for(backend, _problem(fn, x, weight, bias), fn).backend
+    if len(_SELECTED) > 4096:
+        _SELECTED.clear()
+    if auto:
+        _SELECTED[key] = (name, time.monotonic() + _profile.RECHECK_S, _profile.generation, len(_REGISTRY))
+    else:
         _SELECTED[key] = name
     return name
 
