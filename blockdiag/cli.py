@@ -162,7 +162,7 @@ def _check_backends(names_: Sequence[str] | None) -> None:
         get(n, "--backends")
 
 
-def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 2e-3) -> None:
+def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 1e-2) -> None:
     sp.add_argument("--device", default="cpu", help="device type to measure on (default cpu)")
     sp.add_argument("--dtype", type=_dtype, default=torch.float32, help="default float32")
     sp.add_argument("--mode", choices=("forward", "train", "both"), default="both",
@@ -319,9 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid")
-    # bench verifies claims, so it samples longer than tune: a 1-10 ms product then gets
-    # several calls per sample (after an untimed one) instead of one cold call.
-    _add_grid_options(b, "full", min_time=1e-2)
+    _add_grid_options(b, "full")
     b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
