@@ -248,7 +248,8 @@ def run_tune(out: Path, timeout: float) -> dict:
     if probe.returncode != 0:
         log("tune: 'blockdiag tune' is not available in this checkout")
         return {"available": False, "rc": probe.returncode, "output": (probe.stdout + probe.stderr)[-2000:]}
-    cmd = [sys.executable, "-m", "blockdiag", "tune", "--quick", "--device", DEV]
+    # 2 ms samples (the default is 10 ms): the whole run must fit the device-time budget.
+    cmd = [sys.executable, "-m", "blockdiag", "tune", "--quick", "--device", DEV, "--min-time", "0.002"]
     log(f"tune: {' '.join(cmd[1:])} (timeout {timeout:.0f}s)")
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
