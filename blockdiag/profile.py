@@ -228,7 +228,8 @@ def _mtime(path: str) -> Optional[int]:
 
 
 # Bumped whenever what was read from profile files is forgotten: callers that memoize
-# results derived from ``cached_entry`` (the chooser's state token) key on it.
+# results derived from ``cached_entry`` (``GroupedLinear``'s per-call memo of auto's choice)
+# check it.
 generation = 0
 
 

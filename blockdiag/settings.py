@@ -53,6 +53,7 @@ _ENV = {
 }
 _FIELDS = tuple(_ENV)
 
+
 class _Local(threading.local):
     # Class-level default: reading ``key`` in a thread that never entered ``config`` is a
     # plain lookup (``getattr(local, name, default)`` raises and catches, ~0.4 us).

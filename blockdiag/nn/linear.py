@@ -114,6 +114,7 @@ _SELECTED: dict = {}
 
 def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """The backend name to run for these operands (checked and planned on a miss)."""
+    # _records_grad, inlined: this runs on every call.
     grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
