@@ -10,6 +10,12 @@ weight as stored (or through its transposed view); only the output is written on
 
 Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
 measured table (``blockdiag tune``).
+
+``bmm`` has its own backward for one product. Autograd would form its weight gradient as
+``x_g^T @ gy_g`` (``[G, in, out]``, the transposed weight's shape) and transpose it; the same
+product as ``gy_g^T @ x_g`` gives ``[G, out, in]`` directly and, on CPU, was up to 18x faster
+for that product alone (150x10 blocks, B=2048) and 1.0-2.6x faster for the whole training
+step. ``bmm_fm``'s autograd backward already has that form, so it keeps autograd's.
 """
 
 from __future__ import annotations
@@ -19,16 +25,42 @@ import torch
 from ._registry import FLOATS, Backend, register
 
 
+class _Bmm(torch.autograd.Function):
+    # The backward is written in differentiable ops, so double backward works through it.
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        g, o, i = weight.shape
+        n = x.shape[0]
+        xg = x.view(n, g, i).transpose(0, 1)  # [G, N, in], no copy
+        if bias is None:
+            y = torch.bmm(xg, weight.transpose(1, 2))
+        else:
+            y = torch.baddbmm(bias.view(g, 1, o), xg, weight.transpose(1, 2))
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y.transpose(0, 1).reshape(n, g * o)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        g, o, i = weight.shape
+        n = x.shape[0]
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = gw = gb = None
+        # Splitting one dimension is always a view, whatever gy's and x's strides.
+        gyg = gy.view(n, g, o).transpose(0, 1)  # [G, N, out]
+        if need_x:
+            gx = torch.bmm(gyg, weight).transpose(0, 1).reshape(n, g * i)
+        if need_w:
+            gw = torch.bmm(gyg.transpose(1, 2), x.view(n, g, i).transpose(0, 1))
+        if ctx.has_bias and need_b:
+            gb = gy.sum(0)
+        return gx, gw, gb
+
+
 def bmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y.view(N, G, out)[:, g] = x.view(N, G, in)[:, g] @ weight[g].T + bias.view(G, out)[g]``."""
-    g, o, i = weight.shape
-    n = x.shape[0]
-    xg = x.view(n, g, i).transpose(0, 1)  # [G, N, in], no copy
-    if bias is None:
-        y = torch.bmm(xg, weight.transpose(1, 2))
-    else:
-        y = torch.baddbmm(bias.view(g, 1, o), xg, weight.transpose(1, 2))
-    return y.transpose(0, 1).reshape(n, g * o)
+    return _Bmm.apply(x, weight, bias)
 
 
 def bmm_fm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

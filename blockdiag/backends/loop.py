@@ -9,6 +9,14 @@ That makes it the fastest backend for few, large per-group GEMMs in training (la
 batches with 150x10 or 256x256 blocks on CPU), where a batched matmul pays for a
 ``[G, N, in]`` input-gradient buffer and its transpose.
 
+The weight gradient is the exception: one ``bmm`` of ``gy_g^T [G, out, N]`` by ``x_g [G, N, in]``
+(both strided views, and the result is ``[G, out, in]`` as the weight is stored). Measured
+against ``G`` per-group ``mm`` calls over the bench grid (CPU, 2 threads) it was 1.1-15x
+faster for that product alone and never slower, and the whole training step 1.0-1.3x faster.
+Per-group ``mm`` writes stay for the output and the input gradient: those are the large
+``[N, G*in]``/``[N, G*out]`` tensors, and a batched product would need a second buffer and
+a transposing copy.
+
 The backward is differentiable again (``create_graph=True``): then it is computed from
 differentiable ops instead of ``out=`` writes.
 """
@@ -45,25 +53,20 @@ class _Loop(torch.autograd.Function):
         g, o, i = weight.shape
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = gw = gb = None
+        n = x.shape[0]
         gys = gy.split(o, dim=1)
-        if torch.is_grad_enabled():
-            # create_graph=True: build the gradients from differentiable ops.
-            if need_x:
+        if need_x:
+            if torch.is_grad_enabled():
+                # create_graph=True: build the gradient from differentiable ops.
                 gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
-            if need_w:
-                xs = x.split(i, dim=1)
-                gw = torch.stack([gys[k].t() @ xs[k] for k in range(g)])
-        else:
-            if need_x:
+            else:
                 gx = x.new_empty(x.shape)
                 gxs, ws = gx.split(i, dim=1), weight.unbind(0)
                 for k in range(g):
                     torch.mm(gys[k], ws[k], out=gxs[k])
-            if need_w:
-                gw = weight.new_empty(weight.shape)
-                xs, gws = x.split(i, dim=1), gw.unbind(0)
-                for k in range(g):
-                    torch.mm(gys[k].t(), xs[k], out=gws[k])
+        if need_w:
+            # Splitting one dimension is always a view, whatever gy's and x's strides.
+            gw = torch.bmm(gy.view(n, g, o).permute(1, 2, 0), x.view(n, g, i).transpose(0, 1))
         if ctx.has_bias and need_b:
             gb = gy.sum(0)
         return gx, gw, gb
