@@ -35,8 +35,8 @@ __all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "nearest
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type.
 FALLBACK_ORDER = {
-    "cpu": ("bmm_fm", "bmm", "loop", "conv", "dense", "csr", "bsr", "torch_sparse"),
-    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "dense", "conv", "bsr", "csr", "torch_sparse"),
+    "cpu": ("bmm_fm", "bmm", "loop", "bmm_fm_loop", "conv", "dense", "csr", "bsr", "torch_sparse"),
+    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "bmm_fm_loop", "dense", "conv", "bsr", "csr", "torch_sparse"),
 }
 
 SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")

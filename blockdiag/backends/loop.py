@@ -49,27 +49,32 @@ class _Loop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        g, o, i = weight.shape
-        need_x, need_w, need_b = ctx.needs_input_grad
-        gx = gw = gb = None
-        n = x.shape[0]
-        gys = gy.split(o, dim=1)
-        if need_x:
-            if torch.is_grad_enabled():
-                # create_graph=True: build the gradient from differentiable ops.
-                gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
-            else:
-                gx = x.new_empty(x.shape)
-                gxs, ws = gx.split(i, dim=1), weight.unbind(0)
-                for k in range(g):
-                    torch.mm(gys[k], ws[k], out=gxs[k])
-        if need_w:
-            # Splitting one dimension is always a view, whatever gy's and x's strides.
-            gw = torch.bmm(gy.view(n, g, o).permute(1, 2, 0), x.view(n, g, i).transpose(0, 1))
-        if ctx.has_bias and need_b:
-            gb = gy.sum(0)
-        return gx, gw, gb
+        return _backward(ctx, gy)
+
+
+def _backward(ctx, gy):
+    """Input gradient per group into its slice; weight gradient as one ``bmm`` on views."""
+    x, weight = ctx.saved_tensors
+    g, o, i = weight.shape
+    need_x, need_w, need_b = ctx.needs_input_grad
+    gx = gw = gb = None
+    n = x.shape[0]
+    gys = gy.split(o, dim=1)
+    if need_x:
+        if torch.is_grad_enabled():
+            # create_graph=True: build the gradient from differentiable ops.
+            gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
+        else:
+            gx = x.new_empty(x.shape)
+            gxs, ws = gx.split(i, dim=1), weight.unbind(0)
+            for k in range(g):
+                torch.mm(gys[k], ws[k], out=gxs[k])
+    if need_w:
+        # Splitting one dimension is always a view, whatever gy's and x's strides.
+        gw = torch.bmm(gy.view(n, g, o).permute(1, 2, 0), x.view(n, g, i).transpose(0, 1))
+    if ctx.has_bias and need_b:
+        gb = gy.sum(0)
+    return gx, gw, gb
 
 
 def loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,3 +90,4 @@ BACKEND = register(
         summary="one GEMM per group written in place (no cat, in forward or backward); wins for few, large GEMMs",
     )
 )
+
