@@ -180,7 +180,9 @@ _cache: dict = {}
 
 
 def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
-    """Why the chooser's settings exclude backend ``b`` from ``p``, or None."""
+    """Why the chooser's settings (or a forward-only duplicate) exclude ``b`` from ``p``, or None."""
+    if b.same_forward_as is not None and not p.requires_grad:
+        return f"without autograd it is {b.same_forward_as}'s forward, ranked under that name"
     if b.sparse and p.sparsity < s["sparsity_threshold"]:
         return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
     if b.dense_matrix:

@@ -300,6 +300,8 @@ def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str],
         why = b.decline_reason(p)
         if why is None and b.dense_matrix and p.dense_elements > MAX_DENSE_ELEMENTS:
             why = f"skipped: its dense matrix would have {p.dense_elements} entries"
+        if why is None and b.same_forward_as is not None and not p.requires_grad:
+            why = f"skipped: without autograd it is {b.same_forward_as}'s forward"
         if why is None:
             ok.append(name)
         else:

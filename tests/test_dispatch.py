@@ -291,3 +291,38 @@ def test_fast_path_still_checks_new_shapes():
     with pytest.raises(BlockDiagError, match=r"float64"):
         layer(torch.randn(4, 6, dtype=torch.float64))
     assert layer(torch.randn(2, 3, 6)).shape == (2, 3, 10)
+
+
+def test_forward_duplicate_is_ranked_only_in_training(prof):
+    # bmm_fm_loop runs bmm_fm's forward: without autograd it must not compete with itself.
+    prof(point(bmm_fm=20.0, bmm_fm_loop=10.0, bmm=30.0),
+         point(mode="train", bmm_fm=20.0, bmm_fm_loop=10.0, bmm=30.0))
+    fwd = choose(Problem(256, 50, 10, 10))
+    assert fwd.backend == "bmm_fm"
+    (c,) = [c for c in fwd.candidates if c.name == "bmm_fm_loop"]
+    assert not c.ok and "without autograd it is bmm_fm's forward" in c.note
+    assert choose(Problem(256, 50, 10, 10, requires_grad=True)).backend == "bmm_fm_loop"
+
+
+def test_forward_duplicate_forced_by_name_still_runs():
+    x, w, b = torch.randn(8, 12), torch.randn(3, 2, 4), torch.randn(6)
+    with torch.no_grad():
+        y = blockdiag.grouped_linear(x, w, b, backend="bmm_fm_loop")
+    torch.testing.assert_close(y, blockdiag.grouped_linear(x, w, b, backend="bmm_fm"))
+
+
+def test_tune_skips_a_forward_duplicate_in_forward_mode():
+    from blockdiag.tuning import _runnable
+
+    ok, skipped = _runnable(Problem(32, 4, 10, 10), None)
+    assert "bmm_fm" in ok and "bmm_fm_loop" not in ok
+    assert "without autograd" in skipped["bmm_fm_loop"]
+    ok, _ = _runnable(Problem(32, 4, 10, 10, requires_grad=True), None)
+    assert "bmm_fm_loop" in ok
+
+
+def test_same_forward_as_must_name_a_registered_backend():
+    bad = dataclasses.replace(_registry.get("loop"), name="orphan", same_forward_as="nope")
+    with pytest.raises(BlockDiagError, match=r"'orphan' declares same_forward_as='nope', which is not registered"):
+        _registry.register(bad)
+    assert "orphan" not in names()

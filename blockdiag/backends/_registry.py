@@ -86,6 +86,10 @@ class Backend:
             gradient as a constant.
         probe: extra installation check beyond ``requires`` (a torch feature, a GPU
             generation): returns why the backend cannot run here at all, or None.
+        same_forward_as: another backend whose forward this one runs unchanged (only the
+            backward differs). Without autograd the two are the same computation, so
+            ``auto`` ranks only the other one and ``tune``/``bench`` do not time this one;
+            naming it explicitly still runs it.
     """
 
     name: str
@@ -99,6 +103,7 @@ class Backend:
     summary: str = ""
     probe: Optional[Callable[[], Optional[str]]] = None
     double_grad: bool = True
+    same_forward_as: Optional[str] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
@@ -147,6 +152,11 @@ def register(backend: Backend) -> Backend:
     """Add a backend; a duplicate name raises :class:`BlockDiagError`."""
     if backend.name in _REGISTRY or backend.name == "auto":
         raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
+    if backend.same_forward_as is not None and backend.same_forward_as not in _REGISTRY:
+        raise BlockDiagError(
+            f"register: {backend.name!r} declares same_forward_as={backend.same_forward_as!r}, "
+            "which is not registered (register that backend first)"
+        )
     _REGISTRY[backend.name] = backend
     return backend
 

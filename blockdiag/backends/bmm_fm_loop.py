@@ -1,6 +1,7 @@
 """``bmm_fm_loop``: ``bmm_fm``'s forward with ``loop``'s backward.
 
-Without autograd it is ``bmm_fm``. In training it won where neither parent does: 150x10
+Without autograd it is ``bmm_fm`` (declared as ``same_forward_as``, so ``auto`` ranks and
+``tune`` times only ``bmm_fm`` in forward mode). In training it won where neither parent does: 150x10
 blocks at B=256 (G >= 16) and at B=2048, 1.2-1.4x ahead of ``loop`` and 1.6-2.4x ahead of
 ``bmm_fm`` (CPU, 2 threads, interleaved medians). ``bmm_fm``'s forward suits the skinny
 10-wide output, and ``loop``'s backward avoids ``bmm_fm``'s ``[G, in, N]`` input-gradient
@@ -41,5 +42,6 @@ BACKEND = register(
         fn=bmm_fm_loop,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
         summary="bmm_fm's forward, loop's backward; wins training with skinny blocks (150x10) at large batch",
+        same_forward_as="bmm_fm",
     )
 )
