@@ -197,7 +197,7 @@ def cmd_tune(args) -> int:
     )
     entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                  rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
-                 progress=sys.stderr)
+                 refine=args.refine, progress=sys.stderr)
     path = args.profile or prof.default_profile_path()
     doc, _ = prof.read_profile(path)
     key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
@@ -303,9 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
+    from .tuning import TIE_MARGIN
+
     t = sub.add_parser("tune", help="measure the backends on this machine and write a tuning profile")
     _add_grid_options(t, "quick")
     t.add_argument("--plot", metavar="FILE.png", help="also draw the decision map (needs matplotlib)")
+    t.add_argument("--refine", type=_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
+                   help=f"backends within this fraction of the fastest get --repeat more rounds "
+                        f"(default {TIE_MARGIN:g}; 0 disables)")
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("explain", help="print the plan auto follows for one shape, and why")

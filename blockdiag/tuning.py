@@ -211,6 +211,7 @@ def measure(
     prune: float = 3.0,
     keep: Iterable[str] = (),
     stat: str = "median",
+    refine: float = 0.0,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
 
@@ -224,6 +225,11 @@ def measure(
         keep: steps never pruned (and not counted as the best).
         stat: ``"median"`` of the samples, or ``"min"`` (on a machine shared with other
             jobs the noise only ever adds time, and the minimum is the robust estimate).
+        refine: after the rounds, the steps (other than ``keep``) whose statistic is within
+            this fraction of the fastest one's, the fastest included, are timed ``rounds``
+            more interleaved rounds and judged on all their samples (0 disables this). A
+            near-tie is where one stalled sample decides the ranking, and only the tied
+            steps pay for the extra samples.
 
     Returns:
         ``({name: seconds}, {name: error message})``; a step that raised is reported in the
@@ -277,20 +283,41 @@ def measure(
         for name in order[k:] + order[:k]:
             if r == 0 and reps[name] == 1 and samples[name]:
                 continue  # the timed warm-up run is this round's sample
-            run, n = steps[name], reps[name]
-            if n > 1:
-                run()  # untimed: wakes the thread pool, so the sample measures the op, not the wake-up
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                run()
-            _sync(device)
-            samples[name].append((time.perf_counter() - t0) / n)
+            samples[name].append(_sample(steps[name], reps[name], device))
     agg = STATS[stat]
+    if refine > 0:
+        keep = set(keep)
+        contenders = {n: agg(v) for n, v in samples.items() if n in order and n not in keep}
+        if len(contenders) > 1:
+            best = min(contenders.values())
+            tied = [n for n in order if n in contenders and contenders[n] <= (1 + refine) * best]
+            for r in range(rounds if len(tied) > 1 else 0):
+                k = r % len(tied)
+                for name in tied[k:] + tied[:k]:
+                    samples[name].append(_sample(steps[name], reps[name], device))
     return {n: agg(v) for n, v in samples.items()}, failures
 
 
+def _sample(run: Callable[[], None], n: int, device: str) -> float:
+    """Seconds per call of ``n`` back-to-back calls of ``run``."""
+    if n > 1:
+        run()  # untimed: wakes the thread pool, so the sample measures the op, not the wake-up
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
 STATS = {"median": statistics.median, "min": min}
+
+# Backends within this fraction of the fastest one at a tuned point are near-tied and get
+# extra rounds (``tune``'s default ``refine``). On the project's shared 2-core VM the same
+# kernel's median moved by 10-70% between runs (bmm_fm, forward B=2048 G=50 64x64: 5.3 ms
+# in one tune, 4.2-4.3 ms in two later runs, where bmm took 4.8-7.1 ms), so a lead of a few
+# percent after five rounds is not yet a ranking.
+TIE_MARGIN = 0.05
 
 
 def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str], dict[str, str]]:
@@ -328,6 +355,7 @@ def tune(
     min_time: float = 1e-2,
     max_gflop: float = float("inf"),
     stat: str = "median",
+    refine: float = TIE_MARGIN,
     progress: Optional[TextIO] = None,
 ) -> dict:
     """Measure every runnable backend over ``grid``; returns a profile entry (not saved).
@@ -337,7 +365,9 @@ def tune(
         device, dtype: what to measure on.
         modes: ``"forward"`` and/or ``"train"`` (forward + backward).
         backends: names to measure (default: all registered).
-        rounds, min_time, stat: see :func:`measure`.
+        rounds, min_time, stat, refine: see :func:`measure`. By default backends within
+            :data:`TIE_MARGIN` of the fastest at a point get extra rounds: the table's
+            winner is what ``auto`` runs, and near-ties are where noise picks it.
         max_gflop: points whose forward product exceeds this many GFLOP are not measured
             (the chooser uses the nearest measured point for them).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
@@ -356,7 +386,8 @@ def tune(
     for p in problems:
         ok, skipped = _runnable(p, backends)
         x, w, b, gy = _inputs(p)
-        times, failed = measure({n: _backend_step(n, x, w, b, gy) for n in ok}, device, rounds, min_time, stat=stat)
+        steps = {n: _backend_step(n, x, w, b, gy) for n in ok}
+        times, failed = measure(steps, device, rounds, min_time, stat=stat, refine=refine)
         row = {
             "mode": p.mode,
             "batch": p.batch,

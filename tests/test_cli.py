@@ -151,6 +151,33 @@ def test_a_single_stall_does_not_prune_the_fastest():
     assert times["flaky"] < 0.01
 
 
+def test_near_ties_get_more_rounds_and_clear_winners_do_not():
+    import time as _time
+
+    calls = {"a": 0, "b": 0, "slow": 0}
+
+    def step(name, sleep):
+        def run():
+            calls[name] += 1
+            _time.sleep(sleep)
+
+        return run
+
+    # "a" and "b" sleep the same 5 ms (within any margin of each other); "slow" sleeps 40 ms.
+    steps = {"a": step("a", 0.005), "b": step("b", 0.005), "slow": step("slow", 0.04)}
+    measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.5)
+    # Warm-up, the calibration run timed twice (it is round 0's sample), 2 more rounds; then
+    # the tied pair alone gets 3 more rounds.
+    assert calls == {"a": 8, "b": 8, "slow": 5}
+    calls.update(a=0, b=0, slow=0)
+    measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.0)
+    assert calls == {"a": 5, "b": 5, "slow": 5}
+    calls.update(a=0, b=0, slow=0)
+    # A kept step (a reference in bench) is never a contender, so "b" alone has no tie.
+    measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.5, keep=("a",))
+    assert calls == {"a": 5, "b": 5, "slow": 5}
+
+
 def test_derive_settings_finds_the_sparse_crossover():
     def m(g, best):
         return {"mode": "forward", "batch": 8, "groups": g, "block_in": 4, "block_out": 4,
