@@ -245,7 +245,7 @@ def cmd_bench(args) -> int:
 
     from . import profile as prof
     from .settings import config
-    from .tuning import bench, summarize
+    from .tuning import allocator_env, bench, summarize
 
     _check_backends(args.backends)
     grid = _grid(args, "full")
@@ -282,7 +282,7 @@ def cmd_bench(args) -> int:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "statistic": args.stat, "rounds": args.repeat, "argv": sys.argv[1:],
-               "summary": summary, "rows": rows}
+               "allocator_env": allocator_env(), "summary": summary, "rows": rows}
         prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0

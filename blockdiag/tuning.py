@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -312,6 +313,24 @@ def _sample(run: Callable[[], None], n: int, device: str) -> float:
 
 STATS = {"median": statistics.median, "min": min}
 
+# The environment variables that change how the C allocator serves tensor memory. With
+# glibc's defaults, a CPU tensor over 32 MB is a fresh mmap every time it is allocated, and
+# first touching its pages can cost more than the product that fills it (docs/tuning.md,
+# "The memory allocator"), so measurements record these next to the times they explain.
+ALLOCATOR_ENV = (
+    "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+)
+
+
+def allocator_env() -> dict[str, str]:
+    """The allocator variables of :data:`ALLOCATOR_ENV` set in this process (empty: the defaults).
+
+    >>> isinstance(allocator_env(), dict)
+    True
+    """
+    return {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ}
+
 # Backends within this fraction of the fastest one at a tuned point are near-tied and get
 # extra rounds (``tune``'s default ``refine``). On the project's shared 2-core VM the same
 # kernel's median moved by 10-70% between runs (bmm_fm, forward B=2048 G=50 64x64: 5.3 ms
@@ -410,6 +429,7 @@ def tune(
         "threads": torch.get_num_threads(),
         "statistic": stat,
         "rounds": rounds,
+        "allocator_env": allocator_env(),
         "settings": derive_settings(measurements),
         "measurements": measurements,
     }

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from blockdiag import profile
+from blockdiag import profile, tuning
 from blockdiag.backends import names
 from blockdiag.cli import main
 from blockdiag.tuning import Grid, bench, derive_settings, measure, merge_entry, peak_memory, summarize, tune
@@ -35,6 +35,7 @@ def test_tune_writes_a_valid_profile_that_auto_uses(tmp_path, capsys):
         ("forward", 2), ("forward", 3), ("train", 2), ("train", 3)}
     assert all("loop" in m["times_us"] for m in e["measurements"])
     assert e["torch"] == torch.__version__ and e["dtype"] == "float32"
+    assert e["allocator_env"] == tuning.allocator_env()
     assert 0.0 <= e["settings"]["sparsity_threshold"] <= 1.0
     # explain reads it back
     assert main(["explain", "--batch", "4", "--groups", "2", "--block", "3x2", "--train",
@@ -66,8 +67,10 @@ def test_explain_without_profile_uses_builtin(capsys):
     assert "backend:" in out and "built-in defaults" in out and "sparsity_threshold=" in out
 
 
-def test_bench_json(tmp_path, capsys):
+def test_bench_json(tmp_path, capsys, monkeypatch):
     out_json = tmp_path / "b.json"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert main(["bench", *TINY, "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
     assert "a/best" in printed and "forward:" in printed and "train:" in printed
@@ -81,6 +84,9 @@ def test_bench_json(tmp_path, capsys):
         assert set(r["peak_bytes"]) == set(r["times_us"]) and all(v > 0 for v in r["peak_bytes"].values())
     s = doc["summary"]["train"]
     assert s["points"] == 2 and "geomean_speedup_vs_vmap" in s
+    # The allocator settings in force are recorded with the times they affect.
+    assert doc["allocator_env"]["GLIBC_TUNABLES"] == "glibc.malloc.mmap_max=0"
+    assert "LD_PRELOAD" not in doc["allocator_env"]
 
 
 def test_bench_skips_huge_points_and_says_so(capsys):
@@ -137,10 +143,12 @@ def test_a_single_stall_does_not_prune_the_fastest():
     calls = {"flaky": 0, "other": 0}
 
     def step(name, stall_on=None):
+        # Each call sleeps 1 ms so that the two steps' times are equal within the sleep's
+        # jitter: two empty steps, timed at a fraction of a microsecond, differ by more than
+        # the prune factor by chance, and that made this test flaky.
         def run():
             calls[name] += 1
-            if calls[name] == stall_on:
-                _time.sleep(0.02)
+            _time.sleep(0.02 if calls[name] == stall_on else 0.001)
 
         return run
 
