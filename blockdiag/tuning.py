@@ -238,6 +238,7 @@ def measure(
     """
     if stat not in STATS:
         raise BlockDiagError(f"measure: stat must be one of {', '.join(STATS)}, got {stat!r}")
+    keep = set(keep)
     reps: dict[str, int] = {}
     failures: dict[str, str] = {}
     samples: dict[str, list[float]] = {}
@@ -275,7 +276,6 @@ def measure(
         if r == 2 and prune:
             # After two samples each, judged on the faster one: a single stalled sample must
             # not drop the fastest backend from the run.
-            keep = set(keep)
             fastest = {n: min(v) for n, v in samples.items() if v and n not in keep}
             if fastest:
                 best = min(fastest.values())
@@ -286,16 +286,13 @@ def measure(
                 continue  # the timed warm-up run is this round's sample
             samples[name].append(_sample(steps[name], reps[name], device))
     agg = STATS[stat]
-    if refine > 0:
-        keep = set(keep)
-        contenders = {n: agg(v) for n, v in samples.items() if n in order and n not in keep}
-        if len(contenders) > 1:
-            best = min(contenders.values())
-            tied = [n for n in order if n in contenders and contenders[n] <= (1 + refine) * best]
-            for r in range(rounds if len(tied) > 1 else 0):
-                k = r % len(tied)
-                for name in tied[k:] + tied[:k]:
-                    samples[name].append(_sample(steps[name], reps[name], device))
+    contenders = {n: agg(samples[n]) for n in order if n not in keep}
+    best = min(contenders.values(), default=0.0)
+    tied = [n for n, t in contenders.items() if t <= (1 + refine) * best] if refine > 0 else []
+    for r in range(rounds if len(tied) > 1 else 0):
+        k = r % len(tied)
+        for name in tied[k:] + tied[:k]:
+            samples[name].append(_sample(steps[name], reps[name], device))
     return {n: agg(v) for n, v in samples.items()}, failures
 
 
@@ -312,6 +309,13 @@ def _sample(run: Callable[[], None], n: int, device: str) -> float:
 
 
 STATS = {"median": statistics.median, "min": min}
+
+# Backends within this fraction of the fastest one at a tuned point are near-tied and get
+# extra rounds (``tune``'s default ``refine``). On the project's shared 2-core VM the same
+# kernel's median moved by 10-70% between runs (bmm_fm, forward B=2048 G=50 64x64: 5.3 ms
+# in one tune, 4.2-4.3 ms in two later runs, where bmm took 4.8-7.1 ms), so a lead of a few
+# percent after five rounds is not yet a ranking.
+TIE_MARGIN = 0.05
 
 # The environment variables that change how the C allocator serves tensor memory. With
 # glibc's defaults, a CPU tensor over 32 MB is a fresh mmap every time it is allocated, and
@@ -330,13 +334,6 @@ def allocator_env() -> dict[str, str]:
     True
     """
     return {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ}
-
-# Backends within this fraction of the fastest one at a tuned point are near-tied and get
-# extra rounds (``tune``'s default ``refine``). On the project's shared 2-core VM the same
-# kernel's median moved by 10-70% between runs (bmm_fm, forward B=2048 G=50 64x64: 5.3 ms
-# in one tune, 4.2-4.3 ms in two later runs, where bmm took 4.8-7.1 ms), so a lead of a few
-# percent after five rounds is not yet a ranking.
-TIE_MARGIN = 0.05
 
 
 def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str], dict[str, str]]:
