@@ -148,3 +148,20 @@ def test_builtin_table_is_valid():
     if doc is not None:
         cpu = profile.builtin_entry("cpu", torch.float32)
         assert cpu is not None and {m["mode"] for m in cpu["measurements"]} == {"forward", "train"}
+
+
+def test_builtin_table_covers_every_registered_backend():
+    # A backend registered (or rewritten) without re-running `blockdiag tune` for the
+    # built-in table is "not measured" there, and auto ranks it after every measured one
+    # wherever it is faster; that happened to bmm_fm_loop. Each point must time each
+    # registered backend or say why not.
+    from blockdiag.backends import names
+
+    cpu = profile.builtin_entry("cpu", torch.float32)
+    for m in cpu["measurements"]:
+        missing = set(names()) - set(m["times_us"]) - set(m.get("skipped", {}))
+        assert not missing, (
+            f"built-in table point {m['mode']} B={m['batch']} G={m['groups']} "
+            f"{m['block_in']}x{m['block_out']} has no time for {sorted(missing)}: re-run "
+            "`blockdiag tune --full --mode both --max-gflop 20` into blockdiag/_defaults.json"
+        )
