@@ -5,9 +5,12 @@ forward and, worse, the whole input gradient once in backward (``split``'s backw
 ``cat``). Here every per-group product is an ``addmm``/``mm`` with ``out=`` a strided view
 of one preallocated tensor: a ``[N, o]`` slice of ``[N, G*o]`` has strides ``(G*o, 1)``,
 which BLAS takes as a leading dimension, so nothing is copied, in forward or backward.
-That makes it the fastest backend for few, large per-group GEMMs in training (large
-batches with 150x10 or 256x256 blocks on CPU), where a batched matmul pays for a
-``[G, N, in]`` input-gradient buffer and its transpose.
+For few, large per-group GEMMs in training (large batches) that backward beats a batched
+matmul's, which pays for a ``[G, N, in]`` input-gradient buffer and its transpose; the
+forward does not beat ``bmm_fm``'s. So in the built-in table ``bmm_fm_loop`` (``bmm_fm``'s
+forward, this backward) wins those points and ``loop`` itself none. It stays registered as
+the backend that accepts every problem (``auto`` always has a plan) and the plainest
+reference of the product.
 
 The weight gradient is the exception: one ``bmm`` of ``gy_g^T [G, out, N]`` by ``x_g [G, N, in]``
 (both strided views, and the result is ``[G, out, in]`` as the weight is stored). Measured
@@ -87,7 +90,7 @@ BACKEND = register(
         name="loop",
         fn=loop,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
-        summary="one GEMM per group written in place (no cat, in forward or backward); wins for few, large GEMMs",
+        summary="one GEMM per group written in place (no cat, in forward or backward); runs every problem",
     )
 )
 
