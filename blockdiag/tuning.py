@@ -322,8 +322,8 @@ TIE_MARGIN = 0.05
 # first touching its pages can cost more than the product that fills it (docs/tuning.md,
 # "The memory allocator"), so measurements record these next to the times they explain.
 ALLOCATOR_ENV = (
-    "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+    "THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
 )
 
 
