@@ -149,9 +149,9 @@ def _modes(args) -> tuple[str, ...]:
 
 
 def _grid(args, default: str):
-    from .tuning import GRIDS, Grid
+    from .tuning import BENCH_GRID, GRIDS, Grid
 
-    base = GRIDS["full" if args.full else "quick" if args.quick else default]
+    base = GRIDS["full"] if args.full else GRIDS["quick"] if args.quick else GRIDS.get(default, BENCH_GRID)
     return Grid(args.batch or base.batch, args.groups or base.groups, args.blocks or base.blocks)
 
 
@@ -169,7 +169,9 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float
                     help="forward only, forward+backward, or both (default)")
     size = sp.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help=f"the small grid{' (default)' if default == 'quick' else ''}")
-    size.add_argument("--full", action="store_true", help=f"the full grid{' (default)' if default == 'full' else ''}")
+    targets = " (default: the target grid, the full grid without those two)" if default == "targets" else ""
+    size.add_argument("--full", action="store_true",
+                      help=f"the full grid, with 10x150 and 64x256 blocks{' (default)' if default == 'full' else ''}{targets}")
     sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")
     sp.add_argument("--groups", type=_int_list, help="override the grid's group counts, e.g. 4,50")
     sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")
@@ -248,7 +250,7 @@ def cmd_bench(args) -> int:
     from .tuning import allocator_env, bench, summarize
 
     _check_backends(args.backends)
-    grid = _grid(args, "full")
+    grid = _grid(args, "targets")
     modes = _modes(args)
     ctx = config(profile=args.profile) if args.profile else contextlib.nullcontext()
     with ctx:
@@ -324,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser("bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid")
-    _add_grid_options(b, "full")
+    _add_grid_options(b, "targets")
     b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
