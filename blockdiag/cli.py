@@ -149,9 +149,9 @@ def _modes(args) -> tuple[str, ...]:
 
 
 def _grid(args, default: str):
-    from .tuning import BENCH_GRID, GRIDS, Grid
+    from .tuning import GRIDS, Grid
 
-    base = GRIDS["full"] if args.full else GRIDS["quick"] if args.quick else GRIDS.get(default, BENCH_GRID)
+    base = GRIDS["full" if args.full else "quick" if args.quick else default]
     return Grid(args.batch or base.batch, args.groups or base.groups, args.blocks or base.blocks)
 
 

@@ -74,6 +74,7 @@ GRIDS = {
     # 64x256). Without them the chooser ranks such shapes by the nearest square or narrow
     # block: at 20x100 blocks, B=128, training, it chose bmm where bmm_fm was 1.15-1.2x faster.
     "full": Grid(BENCH_GRID.batch, BENCH_GRID.groups, BENCH_GRID.blocks + ((10, 150), (64, 256))),
+    "targets": BENCH_GRID,
 }
 
 # Backends whose cost grows with groups**2 are skipped while measuring above this many

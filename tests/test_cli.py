@@ -227,3 +227,14 @@ def test_python_dash_m_entry_point():
                         "--block", "4x4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Plan for batch=8 groups=4" in r.stdout
+
+
+def test_bench_defaults_to_the_target_grid_and_tune_full_adds_wide_blocks():
+    from blockdiag.cli import _grid, build_parser
+    from blockdiag.tuning import BENCH_GRID, GRIDS
+
+    p = build_parser()
+    assert _grid(p.parse_args(["bench"]), "targets") == BENCH_GRID
+    full = _grid(p.parse_args(["tune", "--full"]), "quick")
+    assert full == GRIDS["full"] and set(full.blocks) - set(BENCH_GRID.blocks) == {(10, 150), (64, 256)}
+    assert _grid(p.parse_args(["bench", "--blocks", "3x2"]), "targets").blocks == ((3, 2),)
