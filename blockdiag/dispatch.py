@@ -34,11 +34,11 @@ from .backends._registry import _REGISTRY
 __all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "nearest_measurement"]
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type
-# (CPU: time over the fastest in the built-in table, forward then train; bmm_fm_loop only
-# runs with autograd, where it ranks after bmm).
+# (CPU: time over the fastest in the built-in table, over both modes; bmm_fm_bmm and
+# bmm_fm_loop only run with autograd, so in forward mode the order starts at bmm_fm).
 FALLBACK_ORDER = {
-    "cpu": ("bmm_fm", "bmm", "bmm_fm_loop", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
-    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "bmm_fm_loop", "dense", "conv", "bsr", "csr", "torch_sparse"),
+    "cpu": ("bmm_fm_bmm", "bmm_fm", "bmm_fm_loop", "bmm", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
+    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "bmm_fm_loop", "bmm_fm_bmm", "dense", "conv", "bsr", "csr", "torch_sparse"),
 }
 
 SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")
