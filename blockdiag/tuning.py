@@ -389,7 +389,7 @@ def tune(
             :data:`TIE_MARGIN` of the fastest at a point get extra rounds: the table's
             winner is what ``auto`` runs, and near-ties are where noise picks it.
         max_gflop: points whose forward product exceeds this many GFLOP are not measured
-            (the chooser uses the nearest measured point for them).
+            (the chooser ranks them from the nearest measured points).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
 
     Returns:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import blockdiag
 from blockdiag import BlockDiagError, Problem, choose, profile
 from blockdiag.backends import Backend, _registry, names
 from blockdiag.backends._registry import FLOATS
-from blockdiag.dispatch import FALLBACK_ORDER, nearest_measurement, plan_for
+from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurement, plan_for
 
 from _profiles import entry, point, write
 
@@ -64,11 +65,61 @@ def test_nearest_point_in_log_space_is_used(prof):
     prof(point(batch=32, groups=4, loop=1.0, bmm=2.0), point(batch=2048, groups=256, loop=2.0, bmm=1.0))
     near_small = choose(Problem(64, 8, 10, 10))
     assert near_small.backend == "loop"
-    assert "nearest measured shape (batch=32 groups=4" in near_small.reason
+    assert "2 nearest measured shapes (nearest: batch=32 groups=4" in near_small.reason
     assert choose(Problem(1024, 128, 10, 10)).backend == "bmm"
-    est = [c for c in near_small.candidates if c.name == "loop"][0]
-    # Scaled by useful FLOPs from the neighbour: 2x batch and 2x groups -> 4x the time.
-    assert est.estimate_us == pytest.approx(4.0) and not est.measured
+
+
+def test_estimate_is_scaled_by_useful_flops(prof):
+    prof(point(batch=32, groups=4, loop=1.0, bmm=2.0))
+    est = {c.name: c for c in choose(Problem(64, 8, 10, 10)).candidates}
+    # 2x batch and 2x groups -> 4x the FLOPs -> 4x the time; ratios between backends kept.
+    assert est["loop"].estimate_us == pytest.approx(4.0) and not est["loop"].measured
+    assert est["bmm"].estimate_us == pytest.approx(8.0)
+    assert "estimated (1 nearest measured shapes, scaled by FLOPs)" in est["loop"].note
+
+
+def test_off_grid_shape_blends_its_neighbours(prof):
+    # B=128 lies between B=256 (distance 1, a near tie) and B=32 (distance 2, bmm 2x ahead).
+    # The nearest point alone says loop; weighting both by 1/distance**2 says bmm.
+    prof(point(batch=256, loop=1.0, bmm=1.02), point(batch=32, loop=2.0, bmm=1.0))
+    plan = choose(Problem(128, 50, 10, 10))
+    assert plan.backend == "bmm"
+    est = {c.name: c.estimate_us for c in plan.candidates}
+    w_near, w_far = 1.0, 0.25
+    ratio_loop = math.exp(w_far * math.log(2.0) / (w_near + w_far))
+    ratio_bmm = math.exp(w_near * math.log(1.02) / (w_near + w_far))
+    base = math.exp((w_near * math.log(1.0 / 2) + w_far * math.log(1.0 * 4)) / (w_near + w_far))
+    assert est["loop"] == pytest.approx(base * ratio_loop)
+    assert est["bmm"] == pytest.approx(base * ratio_bmm)
+
+
+def test_exact_point_ignores_its_neighbours(prof):
+    prof(point(loop=1.0, bmm=1.02), point(batch=128, loop=9.0, bmm=1.0), point(batch=512, loop=9.0, bmm=1.0))
+    plan = choose(Problem(256, 50, 10, 10))
+    assert plan.backend == "loop" and "measured at this shape" in plan.reason
+    assert [c.estimate_us for c in plan.candidates if c.name == "loop"] == [1.0]
+
+
+def test_backend_skipped_at_a_neighbour_is_not_penalised(prof):
+    # Each backend is compared with the fastest where it was measured. bmm is 1.1x loop at
+    # the near point and bmm_fm (skipped there, say by --max-gflop) 1.05x loop at the far
+    # one: loop is ahead everywhere and is chosen. Blending absolute FLOP-scaled times
+    # instead would rank bmm first, because the far point's times enter loop's blend only.
+    prof(point(batch=256, loop=1.0, bmm=1.1), point(batch=32, loop=1.0, bmm_fm=1.05))
+    plan = choose(Problem(128, 50, 10, 10))
+    assert plan.backend == "loop"
+    est = {c.name: c.estimate_us for c in plan.candidates}
+    assert est["bmm_fm"] / est["loop"] == pytest.approx(1.05)
+    assert est["bmm"] / est["loop"] == pytest.approx(1.1)
+
+
+def test_only_the_nearest_neighbours_count(prof):
+    near = [point(batch=256 + i, loop=1.0, bmm=2.0) for i in range(NEIGHBOURS)]
+    prof(*near, point(batch=1 << 20, loop=1000.0, bmm=1.0))
+    entry_, _ = profile.load_entry("cpu", torch.float32)
+    times, used = blended_times(Problem(300, 50, 10, 10), entry_)
+    assert len(used) == NEIGHBOURS and all(m["batch"] < 1 << 20 for _, m in used)
+    assert times["bmm"] / times["loop"] == pytest.approx(2.0)
 
 
 def test_nearest_measurement_none_without_table():
