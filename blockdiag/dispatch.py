@@ -100,6 +100,10 @@ class Plan:
         source: which table ranked the candidates.
         candidates: every registered backend, runnable ones first, fastest first.
         settings: ``(name, value, where the value came from)`` for each setting used.
+        neighbours: for a shape the table did not measure, the measured shapes its times
+            were blended from: ``(batch, groups, block_in, block_out, weight, fastest)``,
+            ``weight`` the share in the blend and ``fastest`` the fastest runnable backend
+            measured there; empty at a measured shape.
     """
 
     backend: str
@@ -108,6 +112,7 @@ class Plan:
     source: str
     candidates: tuple[Candidate, ...] = ()
     settings: tuple[tuple[str, object, str], ...] = ()
+    neighbours: tuple[tuple[int, int, int, int, float, str], ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -118,6 +123,9 @@ class Plan:
         ]
         if self.settings:
             lines.append("  settings: " + "; ".join(f"{k}={v!r} ({src})" for k, v, src in self.settings))
+        if self.neighbours:
+            lines.append("  blended from (share of the weight, fastest runnable backend there):")
+            lines += [f"    batch={b} groups={g} block={i}x{o}: {w:.0%}, {f}" for b, g, i, o, w, f in self.neighbours]
         if self.candidates:
             lines.append("  candidates (time at this shape; declined ones last):")
             lines += [str(c) for c in self.candidates]
@@ -313,7 +321,17 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     for n in names():
         if n in notes:
             cands.append(Candidate(n, False, estimates.get(n), notes[n], exact and n in estimates))
-    return Plan(best, p, reason, source, tuple(cands), settings)
+    neighbours = ()
+    if used and not exact:
+        total = sum(1.0 / d**2 for d, _ in used)
+        neighbours = tuple(
+            (
+                m["batch"], m["groups"], m["block_in"], m["block_out"], round(1.0 / d**2 / total, 4),
+                min((n for n in ok if n in m["times_us"]), key=m["times_us"].get, default="-"),
+            )
+            for d, m in used
+        )
+    return Plan(best, p, reason, source, tuple(cands), settings, neighbours)
 
 
 def plan_for(backend: str, problem: Problem, fn_name: str = "GroupedLinear") -> Plan:

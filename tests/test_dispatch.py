@@ -91,6 +91,8 @@ def test_off_grid_shape_blends_its_neighbours(prof):
     base = math.exp((w_near * math.log(1.0 / 2) + w_far * math.log(1.0 * 4)) / (w_near + w_far))
     assert est["loop"] == pytest.approx(base * ratio_loop)
     assert est["bmm"] == pytest.approx(base * ratio_bmm)
+    assert plan.neighbours == ((256, 50, 10, 10, 0.8, "loop"), (32, 50, 10, 10, 0.2, "bmm"))
+    assert "batch=256 groups=50 block=10x10: 80%, loop" in str(plan)
 
 
 def test_exact_point_ignores_its_neighbours(prof):
@@ -98,6 +100,7 @@ def test_exact_point_ignores_its_neighbours(prof):
     plan = choose(Problem(256, 50, 10, 10))
     assert plan.backend == "loop" and "measured at this shape" in plan.reason
     assert [c.estimate_us for c in plan.candidates if c.name == "loop"] == [1.0]
+    assert plan.neighbours == () and "blended from" not in str(plan)
 
 
 def test_backend_skipped_at_a_neighbour_is_not_penalised(prof):
