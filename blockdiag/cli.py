@@ -159,7 +159,7 @@ def _check_backends(names_: Sequence[str] | None) -> None:
     from .backends import get
 
     for n in names_ or ():
-        get(n, "--backends")
+        get(n, "--backends", auto_valid=False)
 
 
 def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 1e-2) -> None:
@@ -335,9 +335,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``blockdiag`` console script."""
+    """Entry point of the ``blockdiag`` console script.
+
+    Returns:
+        the exit status: 0 on success, 1 when the command fails with a
+        :class:`~blockdiag.BlockDiagError` (an unknown backend name, an unwritable
+        profile, ...), whose message is printed to stderr without a traceback. Argument
+        errors exit with argparse's status 2.
+    """
+    from ._errors import BlockDiagError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BlockDiagError as e:
+        print(f"blockdiag {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def allocator_env() -> dict[str, str]:
 def _runnable(p: Problem, backends: Optional[Iterable[str]]) -> tuple[list[str], dict[str, str]]:
     ok, skipped = [], {}
     for name in backends if backends is not None else names():
-        b = get(name, "tune")
+        b = get(name, "tune", auto_valid=False)
         why = b.decline_reason(p)
         if why is None and b.dense_matrix and p.dense_elements > MAX_DENSE_ELEMENTS:
             why = f"skipped: its dense matrix would have {p.dense_elements} entries"

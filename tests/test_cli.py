@@ -113,11 +113,16 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_unknown_backend_lists_valid_ones(tmp_path):
-    from blockdiag import BlockDiagError
-
-    with pytest.raises(BlockDiagError, match="unknown backend 'nope'"):
-        main(["bench", *TINY, "--backends", "nope"])
+@pytest.mark.parametrize("cmd", ["bench", "tune"])
+def test_unknown_backend_lists_valid_ones(tmp_path, capsys, cmd):
+    extra = ["--profile", str(tmp_path / "p.json")] if cmd == "tune" else []
+    assert main([cmd, *TINY, *extra, "--backends", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert f"blockdiag {cmd}: error: --backends: unknown backend 'nope'; valid names are" in err
+    assert "'bmm_fm'" in err and "'auto'" not in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+    assert main([cmd, *TINY, *extra, "--backends", "loop,auto"]) == 1
+    assert "'auto' is the choice among the backends" in capsys.readouterr().err
 
 
 def test_measure_reports_failures_and_prunes():

@@ -166,15 +166,25 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get(name: str, fn_name: str = "backend") -> Backend:
-    """The backend registered as ``name``; an unknown name lists the valid ones."""
+def get(name: str, fn_name: str = "backend", auto_valid: bool = True) -> Backend:
+    """The backend registered as ``name``; an unknown name lists the valid ones.
+
+    ``auto_valid`` says whether the caller also accepts ``"auto"`` (a layer's backend
+    does; a list of backends to time does not), so that the message lists what is valid
+    where the name was given.
+    """
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise BlockDiagError(
-            f"{fn_name}: unknown backend {name!r}; valid names are 'auto', "
-            + ", ".join(repr(n) for n in _REGISTRY)
-        ) from None
+        valid = ", ".join(repr(n) for n in _REGISTRY)
+        if auto_valid:
+            valid = "'auto', " + valid
+        elif name == "auto":
+            raise BlockDiagError(
+                f"{fn_name}: 'auto' is the choice among the backends, not one to list here; "
+                f"valid names are {valid}"
+            ) from None
+        raise BlockDiagError(f"{fn_name}: unknown backend {name!r}; valid names are {valid}") from None
 
 
 def registry() -> Mapping[str, Backend]:
