@@ -301,7 +301,7 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         where = (
             "measured at this shape"
             if exact
-            else f"fastest by the {len(used)} nearest measured shapes (nearest: {at})"
+            else f"fastest as ranked from the {len(used)} nearest measured shapes (nearest: {at})"
         )
         reason = f"{where}, {p.mode}"
         if len(measured) > 1:
