@@ -187,7 +187,7 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float
 
 def cmd_tune(args) -> int:
     from . import profile as prof
-    from .tuning import merge_entry, plot_decision_map, tune
+    from .tuning import cross_check, merge_entry, plot_decision_map, tune
 
     _check_backends(args.backends)
     grid = _grid(args, "quick")
@@ -216,6 +216,10 @@ def cmd_tune(args) -> int:
     thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
     print(f"measured sparsity_threshold: {thr}; dense_max_groups: {s['dense_max_groups']}; "
           f"dense_max_elements: {s['dense_max_elements']}")
+    for mode, c in cross_check(entry).items():
+        print(f"cross-check, {mode} (each point ranked from the others, chosen/fastest): "
+              f"geomean {c['geomean']:.3f}, worst {c['worst']:.2f} at {c['worst_point']}, "
+              f"{c['within_1.10']} of {c['points']} within 1.10")
     if args.plot:
         print(f"decision map: {plot_decision_map(entry, args.plot)}")
     return 0

@@ -10,7 +10,7 @@ import torch
 from blockdiag import profile, tuning
 from blockdiag.backends import names
 from blockdiag.cli import main
-from blockdiag.tuning import Grid, bench, derive_settings, measure, merge_entry, peak_memory, summarize, tune
+from blockdiag.tuning import Grid, bench, cross_check, derive_settings, measure, merge_entry, peak_memory, summarize, tune
 
 TINY = ["--batch", "4", "--groups", "2,3", "--blocks", "3x2", "--repeat", "1", "--min-time", "0"]
 
@@ -27,6 +27,7 @@ def test_tune_writes_a_valid_profile_that_auto_uses(tmp_path, capsys):
     assert main(["tune", *TINY, "--profile", str(path)]) == 0
     out = capsys.readouterr()
     assert f"wrote {path}" in out.out and "measured sparsity_threshold" in out.out
+    assert "cross-check, train (each point ranked from the others" in out.out
     assert "tune [" in out.err  # the progress bar
     doc, err = profile.read_profile(path)
     assert err is None
@@ -243,3 +244,30 @@ def test_bench_defaults_to_the_target_grid_and_tune_full_adds_wide_blocks():
     full = _grid(p.parse_args(["tune", "--full"]), "quick")
     assert full == GRIDS["full"] and set(full.blocks) - set(BENCH_GRID.blocks) == {(10, 150), (64, 256)}
     assert _grid(p.parse_args(["bench", "--blocks", "3x2"]), "targets").blocks == ((3, 2),)
+
+
+def _m(mode="train", batch=256, groups=50, **times):
+    return {"mode": mode, "batch": batch, "groups": groups, "block_in": 10, "block_out": 10, "times_us": times}
+
+
+def test_cross_check_ranks_each_point_from_the_others():
+    # Along batch, loop wins at the ends and bmm in the middle: leaving out the middle
+    # point, its neighbours say loop, which was 2x slower there.
+    e = {"device": "cpu", "dtype": "float32", "settings": {},
+         "measurements": [_m(batch=32, loop=1.0, bmm=2.0), _m(batch=256, loop=2.0, bmm=1.0),
+                          _m(batch=2048, loop=1.0, bmm=2.0), _m(mode="forward", loop=1.0)]}
+    c = cross_check(e)
+    assert set(c) == {"train"}  # one forward point: nothing to rank it from
+    t = c["train"]
+    # The end points are ranked mostly from the middle one, and get it wrong too.
+    assert t["points"] == 3 and t["worst"] == 2.0 and t["within_1.10"] == 0
+    assert t["geomean"] == pytest.approx(2.0)
+
+
+def test_cross_check_respects_the_settings():
+    # dense is fastest but excluded by dense_max_groups=0: it is never the "chosen" one,
+    # nor the fastest it is compared with.
+    e = {"device": "cpu", "dtype": "float32", "settings": {"dense_max_groups": 0},
+         "measurements": [_m(batch=32, dense=0.1, loop=1.0, bmm=2.0), _m(batch=256, dense=0.1, loop=1.0, bmm=2.0)]}
+    t = cross_check(e)["train"]
+    assert t["geomean"] == 1.0 and t["within_1.10"] == 2
