@@ -79,6 +79,21 @@ def bmm_fm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return yt.permute(2, 0, 1).reshape(n, g * o)
 
 
+def fm_forward_with(backward, name: str) -> type:
+    """An autograd Function with ``bmm_fm``'s forward and the given ``backward(ctx, gy)``.
+
+    The forward saves ``(x, weight)`` and sets ``ctx.has_bias``: what ``_Bmm.backward`` and
+    ``loop``'s backward read, so ``bmm_fm_bmm`` and ``bmm_fm_loop`` share this forward.
+    """
+
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return bmm_fm(x, weight, bias)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 BACKEND = register(
     Backend(
         name="bmm",

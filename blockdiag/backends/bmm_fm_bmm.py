@@ -29,20 +29,10 @@ from __future__ import annotations
 import torch
 
 from ._registry import FLOATS, Backend, register
-from .bmm import _Bmm, bmm_fm
+from .bmm import _Bmm, fm_forward_with
 
 
-class _BmmFmBmm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return bmm_fm(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        # _Bmm.backward reads only what forward saved above: (x, weight) and has_bias.
-        return _Bmm.backward(ctx, gy)
+_BmmFmBmm = fm_forward_with(_Bmm.backward, "_BmmFmBmm")
 
 
 def bmm_fm_bmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -18,20 +18,11 @@ from __future__ import annotations
 import torch
 
 from ._registry import FLOATS, Backend, register
-from .bmm import bmm_fm
+from .bmm import fm_forward_with
 from .loop import _backward
 
 
-class _BmmFmLoop(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return bmm_fm(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        return _backward(ctx, gy)
+_BmmFmLoop = fm_forward_with(_backward, "_BmmFmLoop")
 
 
 def bmm_fm_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
