@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blockdiag
 from blockdiag import BlockDiagError, Problem, choose, profile
@@ -380,3 +382,32 @@ def test_same_forward_as_must_name_a_registered_backend():
     with pytest.raises(BlockDiagError, match=r"'orphan' declares same_forward_as='nope', which is not registered"):
         _registry.register(bad)
     assert "orphan" not in names()
+
+
+_sizes = st.sampled_from([1, 2, 3, 8, 10, 32, 64, 150, 256, 2048])
+_shape = st.tuples(_sizes, _sizes, _sizes, _sizes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shapes=st.lists(_shape, min_size=1, max_size=9, unique=True),
+    times=st.lists(st.tuples(st.floats(0.01, 1e4), st.floats(0.01, 1e4)), min_size=9, max_size=9),
+    problem=_shape,
+)
+def test_blend_stays_within_what_the_neighbours_measured(shapes, times, problem):
+    # In log space the blend is a weighted mean: the estimated ratio between two backends
+    # lies between the smallest and largest ratio measured at the neighbours used, and an
+    # exactly measured shape returns its own times.
+    ms = [
+        {"mode": "forward", "batch": b, "groups": g, "block_in": i, "block_out": o,
+         "times_us": {"loop": t[0], "bmm": t[1]}}
+        for (b, g, i, o), t in zip(shapes, times)
+    ]
+    p = Problem(*problem)
+    est, used = blended_times(p, {"measurements": ms})
+    assert 1 <= len(used) <= NEIGHBOURS
+    ratios = [m["times_us"]["bmm"] / m["times_us"]["loop"] for _, m in used]
+    r = est["bmm"] / est["loop"]
+    assert min(ratios) * (1 - 1e-9) <= r <= max(ratios) * (1 + 1e-9)
+    if problem in shapes:
+        assert est == ms[shapes.index(problem)]["times_us"]
