@@ -660,6 +660,12 @@ def summarize(rows: Sequence[dict]) -> dict:
             "within_1.10": sum(x <= 1.10 for x in ratios),
             "median_fraction_of_ideal": round(statistics.median(r["fraction_of_ideal"] for r in rs), 4),
         }
+        # The choice alone: the chosen backend forced by name over the fastest. It leaves out
+        # the noise between auto's own samples and the forced ones of the same kernel.
+        chosen = [r["times_us"][r["auto"]] / r["times_us"][r["fastest"]] for r in rs if r["auto"] in r["times_us"]]
+        if chosen:
+            s["geomean_choice_over_fastest"] = round(_geomean(chosen), 4)
+            s["choice_within_1.10"] = sum(x <= 1.10 for x in chosen)
         kernel = [r["auto_over_kernel"] for r in rs if "auto_over_kernel" in r]
         if kernel:
             s["geomean_auto_over_kernel"] = round(_geomean(kernel), 4)

@@ -271,3 +271,14 @@ def test_cross_check_respects_the_settings():
          "measurements": [_m(batch=32, dense=0.1, loop=1.0, bmm=2.0), _m(batch=256, dense=0.1, loop=1.0, bmm=2.0)]}
     t = cross_check(e)["train"]
     assert t["geomean"] == 1.0 and t["within_1.10"] == 2
+
+
+def test_summary_scores_the_choice_alone():
+    def row(auto, **t):
+        return {"mode": "train", "batch": 4, "groups": 2, "block_in": 3, "block_out": 2, "times_us": t,
+                "auto": auto, "fastest": min(t, key=t.get), "auto_us": 9.0, "auto_over_fastest": 9.0 / min(t.values()),
+                "fraction_of_ideal": 0.5}
+    s = summarize([row("bmm", loop=1.0, bmm=2.0), row("loop", loop=1.0, bmm=2.0), row("dense", loop=1.0)])["train"]
+    # The third row's choice was not timed forced: it is left out, not counted as right.
+    assert s["geomean_choice_over_fastest"] == pytest.approx(2 ** 0.5, abs=1e-4) and s["choice_within_1.10"] == 1
+    assert s["within_1.10"] == 0  # auto's own 9.0 us against 1.0 us
