@@ -34,7 +34,7 @@ from ._errors import BlockDiagError
 from .backends import Backend, Problem, get, names
 from .backends._registry import _REGISTRY
 
-__all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurement", "blended_times"]
+__all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurements", "blended_times"]
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type
 # (CPU: time over the fastest in the built-in table, over both modes; bmm_fm_bmm and
@@ -215,12 +215,6 @@ def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
         if p.dense_elements > s["dense_max_elements"]:
             return f"dense matrix has {p.dense_elements} entries > dense_max_elements={s['dense_max_elements']}"
     return None
-
-
-def nearest_measurement(p: Problem, entry: Optional[dict]) -> Optional[dict]:
-    """The table's measurement in ``p``'s mode nearest to ``p`` (log distance), or None."""
-    near = nearest_measurements(p, entry, 1)
-    return near[0][1] if near else None
 
 
 def nearest_measurements(p: Problem, entry: Optional[dict], k: Optional[int] = None) -> list[tuple[float, dict]]:

@@ -14,7 +14,7 @@ import blockdiag
 from blockdiag import BlockDiagError, Problem, choose, profile
 from blockdiag.backends import Backend, _registry, names
 from blockdiag.backends._registry import FLOATS
-from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurement, plan_for
+from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurements, plan_for
 
 from _profiles import entry, point, write
 
@@ -127,9 +127,10 @@ def test_only_the_nearest_neighbours_count(prof):
     assert times["bmm"] / times["loop"] == pytest.approx(2.0)
 
 
-def test_nearest_measurement_none_without_table():
-    assert nearest_measurement(Problem(1, 1, 1, 1), None) is None
-    assert nearest_measurement(Problem(1, 1, 1, 1), {"measurements": [point(mode="train")]}) is None
+def test_no_measurements_without_a_table_in_the_mode():
+    assert nearest_measurements(Problem(1, 1, 1, 1), None) == []
+    assert nearest_measurements(Problem(1, 1, 1, 1), {"measurements": [point(mode="train")]}) == []
+    assert blended_times(Problem(1, 1, 1, 1), None) == ({}, [])
 
 
 def test_unmeasured_backends_follow_the_fallback_order(prof):
