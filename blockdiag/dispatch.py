@@ -228,8 +228,9 @@ def nearest_measurements(p: Problem, entry: Optional[dict], k: Optional[int] = N
     return ms[: NEIGHBOURS if k is None else k]
 
 
-def _flops(m: dict) -> int:
-    return max(2 * m["batch"] * m["groups"] * m["block_in"] * m["block_out"], 1)
+def _weight(distance: float) -> float:
+    """A neighbour's weight in the blend (and, normalised, its share in ``Plan.neighbours``)."""
+    return 1.0 / distance**2
 
 
 def blended_times(p: Problem, entry: Optional[dict]) -> tuple[dict[str, float], list[tuple[float, dict]]]:
@@ -246,14 +247,15 @@ def blended_times(p: Problem, entry: Optional[dict]) -> tuple[dict[str, float], 
         return {}, []
     if near[0][0] == 0.0:
         return dict(near[0][1]["times_us"]), near[:1]
-    flops = max(p.flops, 1)
+    flops = max(p.flops, 1)  # an empty batch (N=0) still ranks
     log_ratio: dict[str, float] = {}
     weight: dict[str, float] = {}
     log_best = total = 0.0
     for dist, m in near:
-        w = 1.0 / dist**2
+        w = _weight(dist)
         best = min(m["times_us"].values())
-        log_best += w * math.log(best * flops / _flops(m))
+        m_flops = max(Problem(m["batch"], m["groups"], m["block_in"], m["block_out"]).flops, 1)
+        log_best += w * math.log(best * flops / m_flops)
         total += w
         for name, t in m["times_us"].items():
             log_ratio[name] = log_ratio.get(name, 0.0) + w * math.log(t / best)
@@ -317,10 +319,10 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
             cands.append(Candidate(n, False, estimates.get(n), notes[n], exact and n in estimates))
     neighbours = ()
     if used and not exact:
-        total = sum(1.0 / d**2 for d, _ in used)
+        total = sum(_weight(d) for d, _ in used)
         neighbours = tuple(
             (
-                m["batch"], m["groups"], m["block_in"], m["block_out"], round(1.0 / d**2 / total, 4),
+                m["batch"], m["groups"], m["block_in"], m["block_out"], round(_weight(d) / total, 4),
                 min((n for n in ok if n in m["times_us"]), key=m["times_us"].get, default="-"),
             )
             for d, m in used

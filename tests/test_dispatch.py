@@ -412,3 +412,11 @@ def test_blend_stays_within_what_the_neighbours_measured(shapes, times, problem)
     assert min(ratios) * (1 - 1e-9) <= r <= max(ratios) * (1 + 1e-9)
     if problem in shapes:
         assert est == ms[shapes.index(problem)]["times_us"]
+
+
+def test_empty_shapes_rank_without_error(prof):
+    # A profile may hold a measurement of an empty batch (the format allows sizes >= 0),
+    # and an empty input is planned too: no log of zero FLOPs.
+    prof(point(batch=0, loop=1.0, bmm=2.0), point(batch=64, loop=2.0, bmm=1.0))
+    assert choose(Problem(0, 50, 10, 10)).backend == "loop"
+    assert choose(Problem(32, 50, 10, 10)).backend in ("loop", "bmm")
