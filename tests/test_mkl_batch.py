@@ -1,0 +1,101 @@
+"""``mkl_batch``'s own paths: pointer arithmetic on strided tensors, the probe, the constraint.
+
+The shared backend tests (test_backends.py) cover outputs, gradients, gradcheck and drawn
+shapes; these check what only this backend does: it reads row-major slices through their
+leading dimension instead of copying, and it must refuse to run where its assumptions fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdiag import BlockDiagError, Problem, grouped_linear
+from blockdiag.backends import get, mkl_batch
+from blockdiag.testing import reference_loop
+
+pytestmark = pytest.mark.skipif(
+    get("mkl_batch").unavailable_reason() is not None,
+    reason=f"mkl_batch unavailable here: {get('mkl_batch').unavailable_reason()}",
+)
+
+
+def _grads(fn, x, w, b, gy):
+    y = fn(x, w, b)
+    return (y, *torch.autograd.grad(y, (x, w, b), gy))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_column_slice_of_a_wider_tensor_is_read_in_place(dtype, monkeypatch):
+    # x is columns 3.. of a [9, 40] tensor: row stride 40 > G*in = 24. The GEMM must use
+    # the leading dimension 40, not copy, and not assume 24.
+    g, i, o = 3, 8, 5
+    wide = torch.randn(9, 40, dtype=dtype)
+    x = wide[:, 3 : 3 + g * i].detach().requires_grad_(True)
+    assert not x.is_contiguous()
+    w = torch.randn(g, o, i, dtype=dtype, requires_grad=True)
+    b = torch.randn(g * o, dtype=dtype, requires_grad=True)
+    gy = torch.randn(9, g * o, dtype=dtype)
+
+    seen = []
+    real = mkl_batch._gemm
+    monkeypatch.setattr(mkl_batch, "_gemm", lambda *a: (seen.append(a), real(*a))[1])
+    got = _grads(lambda *t: grouped_linear(*t, backend="mkl_batch"), x, w, b, gy)
+    assert seen[0][5] is x or seen[0][5].data_ptr() == x.data_ptr()  # no copy of x
+    assert seen[0][7] == 40  # its leading dimension
+
+    want = _grads(reference_loop, x, w, b, gy)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
+def test_column_major_input_is_copied_and_correct():
+    g, i, o = 2, 3, 4
+    x = torch.randn(g * i, 6).t().requires_grad_(True)  # stride (1, 6): not row-major
+    w = torch.randn(g, o, i, requires_grad=True)
+    b = torch.randn(g * o, requires_grad=True)
+    gy = torch.randn(6, g * o)
+    got = _grads(lambda *t: grouped_linear(*t, backend="mkl_batch"), x, w, b, gy)
+    want = _grads(reference_loop, x, w, b, gy)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
+def test_no_autograd_node_without_grad():
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    assert grouped_linear(x, w, None, backend="mkl_batch").grad_fn is None
+    y = grouped_linear(x, w.requires_grad_(), None, backend="mkl_batch")
+    assert y.grad_fn is not None and "MklBatch" in type(y.grad_fn).__name__
+
+
+def test_missing_symbols_make_it_unavailable_with_the_reason(monkeypatch):
+    monkeypatch.setattr(mkl_batch, "_kernels", lambda: (None, "torch's CPU library does not export MKL's cblas_sgemm_batch"))
+    mkl_batch._probe.cache_clear()
+    try:
+        why = get("mkl_batch").unavailable_reason()
+        assert why == "torch's CPU library does not export MKL's cblas_sgemm_batch"
+        with pytest.raises(BlockDiagError, match="mkl_batch.*cblas_sgemm_batch"):
+            grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
+    finally:
+        mkl_batch._probe.cache_clear()
+
+
+def test_probe_rejects_an_mkl_that_disagrees_with_torch(monkeypatch):
+    real = mkl_batch._gemm
+
+    def wrong(*a):
+        real(*a)
+        a[11].mul_(2)  # C
+
+    monkeypatch.setattr(mkl_batch, "_gemm", wrong)
+    mkl_batch._probe.cache_clear()
+    try:
+        assert "did not match torch.bmm" in mkl_batch._probe()
+    finally:
+        mkl_batch._probe.cache_clear()
+
+
+def test_sizes_beyond_32_bits_are_declined():
+    why = get("mkl_batch").decline_reason(Problem(2**31, 2, 4, 4))
+    assert why is not None and str(2**31) in why and "32-bit" in why
+    assert get("mkl_batch").decline_reason(Problem(2**31 - 1, 2, 4, 4)) is None
