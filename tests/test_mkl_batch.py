@@ -99,3 +99,23 @@ def test_sizes_beyond_32_bits_are_declined():
     why = get("mkl_batch").decline_reason(Problem(2**31, 2, 4, 4))
     assert why is not None and str(2**31) in why and "32-bit" in why
     assert get("mkl_batch").decline_reason(Problem(2**31 - 1, 2, 4, 4)) is None
+
+
+@pytest.mark.parametrize("which", ["x", "gy"])
+def test_single_row_with_a_row_stride_below_its_width(which):
+    # x.t() of a [W, 1] column is "contiguous" with strides (1, 1); passed on as the
+    # leading dimension, MKL refuses the call and leaves the output unwritten.
+    g, i, o = 3, 4, 5
+    if which == "x":
+        x = torch.randn(g * i, 1, dtype=torch.float64).t().requires_grad_(True)
+        gy = torch.randn(1, g * o, dtype=torch.float64)
+    else:
+        x = torch.randn(1, g * i, dtype=torch.float64, requires_grad=True)
+        gy = torch.randn(g * o, 1, dtype=torch.float64).t()
+    assert (x if which == "x" else gy).stride() == (1, 1)
+    w = torch.randn(g, o, i, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(g * o, dtype=torch.float64, requires_grad=True)
+    got = _grads(lambda *t: grouped_linear(*t, backend="mkl_batch"), x, w, b, gy)
+    want = _grads(reference_loop, x, w, b, gy)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)

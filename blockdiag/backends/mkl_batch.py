@@ -99,10 +99,18 @@ def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, 
 
 
 def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
-    """``t`` (2-d) as row-major rows with unit column stride, and its leading dimension."""
+    """``t`` (2-d) as row-major rows with unit column stride, and its leading dimension.
+
+    torch calls a tensor with one row contiguous whatever its row stride (``x.t()`` of an
+    ``[W, 1]`` column has strides ``(1, 1)``), and MKL rejects a leading dimension below
+    the width without computing anything; a single row's leading dimension addresses
+    nothing, so it is given as the width.
+    """
+    if t.size(0) <= 1:
+        return (t if t.size(1) <= 1 or t.stride(1) == 1 else t.contiguous()), max(width, 1)
     if t.stride(1) != 1 or t.stride(0) < width or t.stride(0) > _INT32_MAX:
         t = t.contiguous()
-    return t, max(t.stride(0), 1)
+    return t, t.stride(0)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
@@ -136,7 +144,7 @@ class _MklBatch(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g, o, i = weight.shape
         n = x.shape[0]
-        ldx = x.stride(0)
+        x, ldx = _rows(x, g * i)  # x as the forward read it: no copy, the same leading dimension
         gy, ldy = _rows(gy, g * o)
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = gw = gb = None
@@ -171,12 +179,13 @@ def _probe() -> Optional[str]:
     # A product whose slices have leading dimensions larger than their widths, checked
     # against torch: a build whose MKL reads the arguments differently is never used.
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 3 * 4, generator=gen, dtype=torch.float64)
-    w = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
-    want = torch.bmm(x.view(5, 3, 4).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(5, 6)
-    got = _forward(x, w, None)[0]
-    if not torch.allclose(got, want):
-        return "MKL's batched GEMM did not match torch.bmm on a probe product"
+    for dtype in kernels:
+        x = torch.randn(5, 3 * 4, generator=gen, dtype=dtype)
+        w = torch.randn(3, 2, 4, generator=gen, dtype=dtype)
+        want = torch.bmm(x.view(5, 3, 4).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(5, 6)
+        got = _forward(x, w, None)[0]
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} probe product"
     return None
 
 
