@@ -7,6 +7,12 @@ leading dimension instead of copying, and it must refuse to run where its assump
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -37,6 +43,7 @@ def test_column_slice_of_a_wider_tensor_is_read_in_place(dtype, monkeypatch):
     b = torch.randn(g * o, dtype=dtype, requires_grad=True)
     gy = torch.randn(9, g * o, dtype=dtype)
 
+    assert mkl_batch._check() is None  # the first call's check product, before recording
     seen = []
     real = mkl_batch._gemm
     monkeypatch.setattr(mkl_batch, "_gemm", lambda *a: (seen.append(a), real(*a))[1])
@@ -70,17 +77,13 @@ def test_no_autograd_node_without_grad():
 
 def test_missing_symbols_make_it_unavailable_with_the_reason(monkeypatch):
     monkeypatch.setattr(mkl_batch, "_kernels", lambda: (None, "torch's CPU library does not export MKL's cblas_sgemm_batch"))
-    mkl_batch._probe.cache_clear()
-    try:
-        why = get("mkl_batch").unavailable_reason()
-        assert why == "torch's CPU library does not export MKL's cblas_sgemm_batch"
-        with pytest.raises(BlockDiagError, match="mkl_batch.*cblas_sgemm_batch"):
-            grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
-    finally:
-        mkl_batch._probe.cache_clear()
+    why = get("mkl_batch").unavailable_reason()
+    assert why == "torch's CPU library does not export MKL's cblas_sgemm_batch"
+    with pytest.raises(BlockDiagError, match="mkl_batch.*cblas_sgemm_batch"):
+        grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
 
 
-def test_probe_rejects_an_mkl_that_disagrees_with_torch(monkeypatch):
+def test_an_mkl_that_disagrees_with_torch_is_refused_at_the_first_call(monkeypatch):
     real = mkl_batch._gemm
 
     def wrong(*a):
@@ -88,11 +91,42 @@ def test_probe_rejects_an_mkl_that_disagrees_with_torch(monkeypatch):
         a[11].mul_(2)  # C
 
     monkeypatch.setattr(mkl_batch, "_gemm", wrong)
-    mkl_batch._probe.cache_clear()
+    mkl_batch._check.cache_clear()
     try:
-        assert "did not match torch.bmm" in mkl_batch._probe()
+        assert "did not match torch.bmm" in mkl_batch._check()
+        with pytest.raises(BlockDiagError, match="mkl_batch: MKL's batched GEMM did not match"):
+            grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
     finally:
-        mkl_batch._probe.cache_clear()
+        mkl_batch._check.cache_clear()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_listing_backends_and_planning_leave_the_process_safe_to_fork():
+    # The availability probe runs in every process that lists backends or plans (asv's
+    # benchmark server forks its runners after that). Had it run MKL, the forked child would
+    # hang in its first parallel op; the child's exit within the timeout is the check.
+    script = textwrap.dedent(
+        """
+        import os, torch, blockdiag
+        blockdiag.backends()
+        blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
+        pid = os.fork()
+        if pid == 0:
+            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    # Its own session, so that a hung child (orphaned when the parent is killed) goes too.
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("a child forked after listing backends and planning hung in torch.bmm")
+    assert proc.returncode == 0, err
 
 
 def test_sizes_beyond_32_bits_are_declined():

@@ -12,9 +12,11 @@ pointers into the tensors themselves: nothing is copied, in forward or backward,
 spreads the ``G`` GEMMs over torch's threads.
 
 The symbols come from the MKL that torch's x86 builds link into ``libtorch_cpu``; a torch
-built without MKL (ARM, macOS) makes the backend unavailable, with the reason. The backend is
-probed once with a small product checked against ``torch.bmm``, so a build whose MKL does
-not behave as assumed is never used. All integer arguments are passed as 64-bit integers
+built without MKL (ARM, macOS) makes the backend unavailable, with the reason. Its first call
+runs a small product checked against ``torch.bmm`` and raises :class:`BlockDiagError` if they
+differ, so a build whose MKL does not behave as assumed is never used; the availability probe
+itself only looks up the symbols, because running MKL there would start OpenMP threads in a
+process that may fork next, and the child would hang in its first parallel op. All integer arguments are passed as 64-bit integers
 holding values below ``2**31``: on little-endian x86-64 that reads correctly under both the
 LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the constraint declines sizes that
 would not fit 32 bits.
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, Problem, first_order_only, register
 from .bmm import bmm_fm
 
@@ -165,27 +168,36 @@ def mkl_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, one MKL batch call."""
     if x.numel() == 0 or weight.numel() == 0:
         return bmm_fm(x, weight, bias)
+    why = _check()
+    if why is not None:
+        raise BlockDiagError(f"mkl_batch: {why}; this torch build's MKL cannot be used, choose another backend")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _MklBatch.apply(x, weight, bias)
     # Nothing to differentiate: skip the autograd Function's fixed cost (about 9 us).
     return _forward(x, weight, bias)[0]
 
 
-@functools.lru_cache(maxsize=None)
 def _probe() -> Optional[str]:
-    kernels, why = _kernels()
-    if kernels is None:
-        return why
-    # A product whose slices have leading dimensions larger than their widths, checked
-    # against torch: a build whose MKL reads the arguments differently is never used.
+    # Only whether the symbols exist: the probe runs whenever backends are listed or a plan
+    # is made, and running MKL here would start its OpenMP threads in a process that may
+    # fork next (asv's benchmark server, DataLoader workers); a forked child then hangs in
+    # its first parallel torch op. The numerical check waits for the first real call.
+    return _kernels()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _check() -> Optional[str]:
+    """Run a small product through MKL and compare with ``torch.bmm``: why it differs, or None."""
+    # Slices whose leading dimensions exceed their widths, in every dtype declared, so a
+    # build whose MKL reads the arguments differently is caught before any result is used.
     gen = torch.Generator().manual_seed(0)
-    for dtype in kernels:
+    for dtype in _kernels()[0]:
         x = torch.randn(5, 3 * 4, generator=gen, dtype=dtype)
         w = torch.randn(3, 2, 4, generator=gen, dtype=dtype)
         want = torch.bmm(x.view(5, 3, 4).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(5, 6)
         got = _forward(x, w, None)[0]
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            return f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} probe product"
+            return f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} check product"
     return None
 
 
