@@ -26,8 +26,9 @@ it is the fastest at 19 of 71 training points, where the copies it saves are lar
 and 256x256 blocks at B >= 256, 150x10 blocks at B=256, B=2048 G=50 10x10; and at 8 of 71
 forward points (64x64 blocks at B >= 256 by 10-16%, the others within 2%). At the smallest
 products MKL's batched call costs 5-10 us more than torch's kernels, so ``auto`` picks by
-the measured table. Its backward is first-order only (``once_differentiable``):
-``create_graph=True`` raises rather than returning a gradient treated as a constant. Empty problems (a zero batch or block side) run
+the measured table. Under ``create_graph=True`` its backward is ``bmm``'s, written in
+differentiable ops, so double backward works (and ``auto``, which picks this backend for
+training, stays usable for gradient penalties). Empty problems (a zero batch or block side) run
 ``bmm_fm``'s torch ops, which give the right empty or bias-only result and gradients.
 """
 
@@ -41,11 +42,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._errors import BlockDiagError
-from ._registry import F32_F64, Backend, Problem, first_order_only, register
-from .bmm import bmm_fm
+from ._registry import F32_F64, Backend, Problem, register
+from .bmm import _Bmm, bmm_fm
 
 # CBLAS enum values (cblas.h): row-major layout, no transpose, transpose.
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -116,8 +116,8 @@ def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """``(y, x, weight)``: the product, and the row-major operands it read (saved for backward)."""
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The product, computed by MKL (no autograd)."""
     g, o, i = weight.shape
     n = x.shape[0]
     x, ldx = _rows(x, g * i)
@@ -128,26 +128,31 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         # After the GEMM rather than as its C operand (beta=1): filling y with the bias
         # first was slower at every point measured (an extra pass that MKL then reads).
         y.add_(bias)
-    return y, x, weight
+    return y
 
 
 class _MklBatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        y, x, weight = _forward(x, weight, bias)
+        y = _forward(x, weight, bias)
+        # The inputs themselves, not _forward's row-major copies: a double backward must
+        # reach x and weight through them.
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.backend_name = "mkl_batch"
         return y
 
     @staticmethod
-    @first_order_only
-    @once_differentiable
     def backward(ctx, gy):
+        if torch.is_grad_enabled():
+            # create_graph=True: bmm's backward, written in differentiable ops, so that
+            # auto may choose this backend for a gradient penalty too.
+            return _Bmm.backward(ctx, gy)
         x, weight = ctx.saved_tensors
         g, o, i = weight.shape
         n = x.shape[0]
-        x, ldx = _rows(x, g * i)  # x as the forward read it: no copy, the same leading dimension
+        x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
+        weight = weight.contiguous()
         gy, ldy = _rows(gy, g * o)
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = gw = gb = None
@@ -174,7 +179,7 @@ def mkl_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _MklBatch.apply(x, weight, bias)
     # Nothing to differentiate: skip the autograd Function's fixed cost (about 9 us).
-    return _forward(x, weight, bias)[0]
+    return _forward(x, weight, bias)
 
 
 def _probe() -> Optional[str]:
@@ -195,7 +200,7 @@ def _check() -> Optional[str]:
         x = torch.randn(5, 3 * 4, generator=gen, dtype=dtype)
         w = torch.randn(3, 2, 4, generator=gen, dtype=dtype)
         want = torch.bmm(x.view(5, 3, 4).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(5, 6)
-        got = _forward(x, w, None)[0]
+        got = _forward(x, w, None)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             return f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} check product"
     return None
@@ -215,7 +220,6 @@ BACKEND = register(
         dtypes={"cpu": F32_F64},
         constraint=_constraint,
         probe=_probe,
-        double_grad=False,
         summary="MKL batched GEMM on pointers into x, y and the gradients: no layout copies (CPU, MKL builds)",
     )
 )
