@@ -171,7 +171,7 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float
     size.add_argument("--quick", action="store_true", help=f"the small grid{' (default)' if default == 'quick' else ''}")
     targets = " (default: the target grid, the full grid without those two)" if default == "targets" else ""
     size.add_argument("--full", action="store_true",
-                      help=f"the full grid, with 10x150 and 64x256 blocks{' (default)' if default == 'full' else ''}{targets}")
+                      help=f"the full grid, with 10x150, 64x256 and 32x32 blocks{' (default)' if default == 'full' else ''}{targets}")
     sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")
     sp.add_argument("--groups", type=_int_list, help="override the grid's group counts, e.g. 4,50")
     sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")

@@ -73,7 +73,9 @@ GRIDS = {
     # The target grid plus two blocks wider out than in (10x150 and an expert's up-projection,
     # 64x256). Without them the chooser ranks such shapes by the nearest square or narrow
     # block: at 20x100 blocks, B=128, training, it chose bmm where bmm_fm was 1.15-1.2x faster.
-    "full": Grid(BENCH_GRID.batch, BENCH_GRID.groups, BENCH_GRID.blocks + ((10, 150), (64, 256))),
+    # And 32x32, where mkl_batch's crossover sits between the 10x10 and 64x64 blocks: without
+    # it, training at B=1024 G=8 and B=128 G=100 32x32 ran bmm_fm_bmm, mkl_batch 1.15-1.17x faster.
+    "full": Grid(BENCH_GRID.batch, BENCH_GRID.groups, BENCH_GRID.blocks + ((10, 150), (64, 256), (32, 32))),
     "targets": BENCH_GRID,
 }
 

@@ -242,7 +242,7 @@ def test_bench_defaults_to_the_target_grid_and_tune_full_adds_wide_blocks():
     p = build_parser()
     assert _grid(p.parse_args(["bench"]), "targets") == BENCH_GRID
     full = _grid(p.parse_args(["tune", "--full"]), "quick")
-    assert full == GRIDS["full"] and set(full.blocks) - set(BENCH_GRID.blocks) == {(10, 150), (64, 256)}
+    assert full == GRIDS["full"] and set(full.blocks) - set(BENCH_GRID.blocks) == {(10, 150), (64, 256), (32, 32)}
     assert _grid(p.parse_args(["bench", "--blocks", "3x2"]), "targets").blocks == ((3, 2),)
 
 

@@ -10,7 +10,7 @@ weight as stored (or through its transposed view); only the output is written on
 
 Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
 measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
-at no point: ``bmm_fm`` wins 62 of the 71 forward points (``mkl_batch`` 8, ``loop`` 1)
+at no point: ``bmm_fm`` wins 71 of the 83 forward points (``mkl_batch`` 11, ``loop`` 1)
 and, in training, ``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below) took
 the points ``bmm`` had. ``bmm``
 stays registered as the first choice where nothing is measured on CUDA, and as the plainest

@@ -22,9 +22,10 @@ LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the constraint declines 
 would not fit 32 bits.
 
 In the built-in CPU table (``blockdiag tune --full --mode both --max-gflop 20``, 2 threads)
-it is the fastest at 19 of 71 training points, where the copies it saves are large: 64x64
-and 256x256 blocks at B >= 256, 150x10 blocks at B=256, B=2048 G=50 10x10; and at 8 of 71
-forward points (64x64 blocks at B >= 256 by 10-16%, the others within 2%). At the smallest
+it is the fastest at 27 of 83 training points, where the copies it saves are large: 64x64
+and 256x256 blocks at B >= 256, 150x10 blocks at B=256, 8 of the 12 32x32 points, B=2048
+G=50 10x10; and at 11 of 83 forward points (64x64 blocks at B >= 256 by 10-16%, most others
+within 2%). At the smallest
 products MKL's batched call costs 5-10 us more than torch's kernels, so ``auto`` picks by
 the measured table. Under ``create_graph=True`` its backward is ``bmm``'s, written in
 differentiable ops, so double backward works (and ``auto``, which picks this backend for
