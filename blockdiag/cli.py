@@ -169,7 +169,7 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float
                     help="forward only, forward+backward, or both (default)")
     size = sp.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help=f"the small grid{' (default)' if default == 'quick' else ''}")
-    targets = " (default: the target grid, the full grid without those two)" if default == "targets" else ""
+    targets = " (default: the target grid, the full grid without those three)" if default == "targets" else ""
     size.add_argument("--full", action="store_true",
                       help=f"the full grid, with 10x150, 64x256 and 32x32 blocks{' (default)' if default == 'full' else ''}{targets}")
     sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")

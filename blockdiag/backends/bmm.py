@@ -12,9 +12,8 @@ Which is faster depends on shape and mode, so both are registered and ``auto`` p
 measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
 at no point: ``bmm_fm`` wins 71 of the 83 forward points (``mkl_batch`` 11, ``loop`` 1)
 and, in training, ``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below) took
-the points ``bmm`` had. ``bmm``
-stays registered as the first choice where nothing is measured on CUDA, and as the plainest
-batched form.
+the points ``bmm`` had. ``bmm`` stays registered as the first choice where nothing is
+measured on CUDA, and as the plainest batched form.
 
 ``bmm`` has its own backward for one product. Autograd would form its weight gradient as
 ``x_g^T @ gy_g`` (``[G, in, out]``, the transposed weight's shape) and transpose it; the same

@@ -19,8 +19,7 @@ the fastest of ``bmm``, ``bmm_fm``, ``bmm_fm_loop`` and itself at 22 of 32 point
 at a few small-batch 10x10 points (by up to 12%, the cost of a Python autograd Function)
 and to ``bmm_fm_loop`` at large 150x10 products. In the built-in table (which adds 256x256,
 10x150, 64x256 and 32x32 blocks) it is the fastest at 34 of 83 training points, most of the
-rest going to ``mkl_batch`` (27) and ``bmm_fm`` (13). ``auto`` picks by
-the measured table.
+rest going to ``mkl_batch`` (27) and ``bmm_fm`` (13). ``auto`` picks by the measured table.
 
 The backward is ``bmm``'s, written in differentiable ops, so double backward works.
 """

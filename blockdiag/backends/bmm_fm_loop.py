@@ -8,9 +8,9 @@ blocks at B=256 (G >= 16) and at B=2048, 1.2-1.4x ahead of ``loop`` and 1.6-2.4x
 buffer and its transposing copy. In the built-in table it is the fastest at 8 of 83
 training points: 150x10 blocks at B=2048 and B=256 G=4, and the largest products of the
 other blocks (B=2048 with G=256 or 256x256 blocks); ``bmm_fm_bmm`` and ``mkl_batch`` took
-most of the points it had before those backends existed. It is a separate backend, not a change to ``bmm_fm``, because ``bmm_fm``'s own
-backward still wins training at small batch (10x10 and 10x150 blocks, B <= 256); ``auto``
-picks by the measured table.
+most of the points it had before those backends existed. It is a separate backend, not a
+change to ``bmm_fm``, because ``bmm_fm``'s own backward still wins training at small batch
+(10x10 and 10x150 blocks, B <= 256); ``auto`` picks by the measured table.
 """
 
 from __future__ import annotations

@@ -6,31 +6,31 @@ the same holds for ``y``, ``gy`` and ``gx``. BLAS takes such slices as they are.
 ``bmm`` does not: it runs one batched call only when its output is contiguous ``[G, ., .]``,
 so the batched backends pay a transposing copy of the input gradient in backward (and
 ``bmm`` of the output in forward; ``bmm_fm`` returns its output column-major instead), and
-``loop`` pays one Python-level GEMM call per group. Here each of
-the three products (``y``, ``gx``, ``gw``) is one ``cblas_?gemm_batch`` call over ``G``
-pointers into the tensors themselves: nothing is copied, in forward or backward, and MKL
-spreads the ``G`` GEMMs over torch's threads.
+``loop`` pays one Python-level GEMM call per group. Here each of the three products (``y``,
+``gx``, ``gw``) is one ``cblas_?gemm_batch`` call over ``G`` pointers into the tensors
+themselves: nothing is copied, in forward or backward, and MKL spreads the ``G`` GEMMs over
+torch's threads.
 
 The symbols come from the MKL that torch's x86 builds link into ``libtorch_cpu``; a torch
-built without MKL (ARM, macOS) makes the backend unavailable, with the reason. Its first call
-runs a small product checked against ``torch.bmm`` and raises :class:`BlockDiagError` if they
-differ, so a build whose MKL does not behave as assumed is never used; the availability probe
-itself only looks up the symbols, because running MKL there would start OpenMP threads in a
-process that may fork next, and the child would hang in its first parallel op. All integer arguments are passed as 64-bit integers
-holding values below ``2**31``: on little-endian x86-64 that reads correctly under both the
-LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the constraint declines sizes that
-would not fit 32 bits.
+built without MKL (ARM, macOS) makes the backend unavailable, with the reason. Its first
+call runs a small product checked against ``torch.bmm`` and raises :class:`BlockDiagError`
+if they differ, so a build whose MKL does not behave as assumed is never used; the
+availability probe itself only looks up the symbols (see ``_probe``). All integer arguments
+are passed as 64-bit integers holding values below ``2**31``: on little-endian x86-64 that
+reads correctly under both the LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the
+constraint declines sizes that would not fit 32 bits.
 
 In the built-in CPU table (``blockdiag tune --full --mode both --max-gflop 20``, 2 threads)
 it is the fastest at 27 of 83 training points, where the copies it saves are large: 64x64
 and 256x256 blocks at B >= 256, 150x10 blocks at B=256, 8 of the 12 32x32 points, B=2048
-G=50 10x10; and at 11 of 83 forward points (64x64 blocks at B >= 256 by 10-16%, most others
-within 2%). At the smallest
-products MKL's batched call costs 5-10 us more than torch's kernels, so ``auto`` picks by
-the measured table. Under ``create_graph=True`` its backward is ``bmm``'s, written in
-differentiable ops, so double backward works (and ``auto``, which picks this backend for
-training, stays usable for gradient penalties). Empty problems (a zero batch or block side) run
-``bmm_fm``'s torch ops, which give the right empty or bias-only result and gradients.
+G=50 10x10; and at 11 of 83 forward points (64x64 and 32x32 blocks at B >= 256, by 7-16%;
+the rest within 2%). At small products MKL's batched call costs more than torch's kernels
+(without autograd, 5-7 us more at B=32 with 10x10 and 64x64 blocks, 18 us at B=256 G=16
+10x10), so ``auto`` picks by the measured table. Under ``create_graph=True`` its backward is
+``bmm``'s, written in differentiable ops, so double backward works (and ``auto``, which
+picks this backend for training, stays usable for gradient penalties). Empty problems (a
+zero batch or block side) run ``bmm_fm``'s torch ops, which give the right empty or
+bias-only result and gradients.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     _gemm(_NO_TRANS, _TRANS, n, o, i, x, i, ldx, weight, o * i, i, y, o, g * o, g)
     if bias is not None:
         # After the GEMM rather than as its C operand (beta=1): filling y with the bias
-        # first was slower at every point measured (an extra pass that MKL then reads).
+        # first (an extra pass that MKL then reads) was slower at 25 of 28 points in the
+        # prototype's comparison (14 shapes, both modes, interleaved medians).
         y.add_(bias)
     return y
 
