@@ -23,7 +23,7 @@ from blockdiag import BlockDiagError
 # torch announces its beta sparse layouts once per process; it would flood every log.
 warnings.filterwarnings("ignore", "Sparse (CSR|BSR|CSC|BSC) tensor support is in beta state", UserWarning)
 
-KNOWN_BACKENDS = ("loop", "dense", "bmm", "conv", "csr", "bsr", "torch_sparse", "grouped_mm", "bmm_fm", "bmm_fm_loop", "bmm_fm_bmm", "mkl_batch")
+KNOWN_BACKENDS = ("loop", "dense", "bmm", "conv", "csr", "bsr", "torch_sparse", "grouped_mm", "bmm_fm", "bmm_fm_loop", "bmm_fm_bmm", "mkl_batch", "simd")
 TINY = os.environ.get("BLOCKDIAG_ASV_GRID", "") == "tiny"
 
 # Every known name first (stable indices), then any name only this installation registers.

@@ -1,0 +1,255 @@
+"""``simd``'s own paths: the C kernels' tiles and blocks, strided inputs, the build and its cache.
+
+The shared backend tests (tests/test_backends.py) run it against the references as every
+backend is: outputs and gradients, gradcheck, gradgradcheck, hypothesis shapes. These add
+the shapes that reach every tile, chunk and row-block path of the C code, and the ways its
+build can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from blockdiag import BlockDiagError, grouped_linear
+from blockdiag.backends import get, simd
+from blockdiag.testing import reference_loop
+
+pytestmark = pytest.mark.skipif(
+    get("simd").unavailable_reason() is not None,
+    reason=f"simd unavailable here: {get('simd').unavailable_reason()}",
+)
+
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
+
+
+def _grads(fn, x, w, b, gy):
+    y = fn(x, w, b)
+    return (y, *torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], gy))
+
+
+def _compare(x, w, b, gy, dtype):
+    got = _grads(lambda *t: grouped_linear(*t, backend="simd"), x, w, b, gy)
+    want = _grads(reference_loop, x, w, b, gy)
+    assert len(got) == len(want)
+    for name, a, c in zip(("y", "gx", "gw", "gb"), got, want):
+        torch.testing.assert_close(a, c, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """A cleared build cache pointed at ``tmp_path``; the real library is restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    simd._library.cache_clear()
+    simd._check.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    simd._library.cache_clear()
+    simd._check.cache_clear()
+    assert get("simd").unavailable_reason() is None
+
+
+# Sides that reach: a partial vector (1, 7, 17), exactly one vector (16), several vectors
+# in one column chunk (33), several column chunks with a partial last one (65, 150), in
+# float32 (16 lanes, 64-column chunks) and float64 (8 lanes, 32-column chunks). Batches
+# that reach partial row tiles (1, 7, 9) and, in the weight gradient, several row blocks
+# accumulated in turn (300 rows: blocks of at most 64).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(
+    "n,g,i,o",
+    [(1, 1, 1, 1), (7, 3, 7, 17), (9, 2, 16, 16), (9, 5, 33, 10), (300, 3, 10, 10), (300, 2, 65, 7),
+     (13, 2, 150, 10), (5, 4, 10, 150), (70, 1, 64, 64), (17, 6, 3, 33)],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_every_tile_path_matches_the_loop_reference(dtype, n, g, i, o, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + g * 100 + i + o)
+    x = torch.randn(n, g * i, dtype=dtype, generator=gen, requires_grad=True)
+    w = torch.randn(g, o, i, dtype=dtype, generator=gen, requires_grad=True)
+    b = torch.randn(g * o, dtype=dtype, generator=gen, requires_grad=True) if bias else None
+    gy = torch.randn(n, g * o, dtype=dtype, generator=gen)
+    _compare(x, w, b, gy, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_results_do_not_depend_on_the_thread_count(threads):
+    # The work is split differently per thread count (the weight gradient's items and row
+    # blocks); every split must give the same sums.
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(130, 7 * 10, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(7, 12, 10, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(7 * 12, dtype=torch.float64, requires_grad=True)
+        _compare(x, w, b, torch.randn(130, 7 * 12, dtype=torch.float64), torch.float64)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_column_slices_are_read_and_written_in_place(dtype, monkeypatch):
+    # x is columns 3.. of a [9, 40] tensor (row stride 40 > G*in = 24): the kernel must get
+    # x's own pointer and the leading dimension 40, not a copy.
+    g, i, o = 3, 8, 5
+    wide = torch.randn(9, 40, dtype=dtype)
+    x = wide[:, 3 : 3 + g * i].detach().requires_grad_(True)
+    w = torch.randn(g, o, i, dtype=dtype, requires_grad=True)
+    b = torch.randn(g * o, dtype=dtype, requires_grad=True)
+    gy = torch.randn(9, g * o, dtype=dtype)
+    assert simd._check() is None
+    fns, why = simd._library()
+    seen = []
+
+    def spy(fn):
+        return lambda *a: (seen.append(a), fn(*a))[1]
+
+    monkeypatch.setattr(simd, "_library", lambda: ({dtype: tuple(spy(f) for f in fns[dtype])}, why))
+    got = _grads(lambda *t: grouped_linear(*t, backend="simd"), x, w, b, gy)
+    assert seen[0][0] == x.data_ptr() and seen[0][1] == 40  # forward: x in place
+    assert seen[2][2] == x.data_ptr() and seen[2][3] == 40  # weight gradient: x in place
+    want = _grads(reference_loop, x, w, b, gy)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, **TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["column-major x", "expanded gy", "broadcast-row gy"])
+def test_unusual_strides_are_correct(kind):
+    g, i, o, n = 2, 3, 4, 6
+    dt = torch.float64
+    x = torch.randn(n, g * i, dtype=dt)
+    gy = torch.randn(n, g * o, dtype=dt)
+    if kind == "column-major x":
+        x = torch.randn(g * i, n, dtype=dt).t()  # strides (1, 6): copied
+    elif kind == "expanded gy":
+        gy = torch.tensor(1.5, dtype=dt).expand(n, g * o)  # strides (0, 0), as from y.sum()
+    else:
+        gy = torch.randn(1, g * o, dtype=dt).expand(n, g * o)  # strides (0, 1): read in place
+    x.requires_grad_(True)
+    w = torch.randn(g, o, i, dtype=dt, requires_grad=True)
+    b = torch.randn(g * o, dtype=dt, requires_grad=True)
+    _compare(x, w, b, gy, dt)
+
+
+def test_no_autograd_function_without_grad(monkeypatch):
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    want = reference_loop(x, w, None)
+
+    def refuse(*_):
+        raise AssertionError("autograd Function used without grad")
+
+    with monkeypatch.context() as m:
+        m.setattr(simd._Simd, "apply", refuse)
+        torch.testing.assert_close(grouped_linear(x, w, None, backend="simd"), want)
+        with torch.no_grad():
+            torch.testing.assert_close(grouped_linear(x, w.clone().requires_grad_(), None, backend="simd"), want)
+    y = grouped_linear(x, w.requires_grad_(), None, backend="simd")
+    assert y.grad_fn is not None and "Simd" in type(y.grad_fn).__name__
+
+
+def test_only_the_bias_needs_a_gradient():
+    x, w = torch.randn(5, 6), torch.randn(2, 3, 3)
+    b = torch.randn(6, requires_grad=True)
+    gy = torch.randn(5, 6)
+    (gb,) = torch.autograd.grad(grouped_linear(x, w, b, backend="simd"), b, gy)
+    torch.testing.assert_close(gb, gy.sum(0))
+
+
+def test_a_kernel_that_disagrees_with_torch_is_refused_at_the_first_call(monkeypatch):
+    real = simd._grad_input
+    monkeypatch.setattr(simd, "_grad_input", lambda gy, w: real(gy, w).mul_(2))
+    simd._check.cache_clear()
+    try:
+        assert "input gradient kernel did not match torch" in simd._check()
+        with pytest.raises(BlockDiagError, match="simd: the compiled input gradient kernel did not match"):
+            grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")
+    finally:
+        simd._check.cache_clear()
+
+
+def test_build_is_cached_atomically_and_reused(fresh_library, monkeypatch):
+    assert simd._library()[1] is None
+    built = sorted(p.name for p in (fresh_library / "blockdiag" / "kernels").iterdir())
+    assert len(built) == 1 and built[0].startswith("simd-") and built[0].endswith(".so"), built  # no temp files
+    # A second process-level lookup finds the file and compiles nothing.
+    simd._library.cache_clear()
+    monkeypatch.setattr(simd, "_build", lambda *a: pytest.fail("rebuilt although the library was cached"))
+    assert simd._library()[1] is None
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_library, monkeypatch):
+    blocker = fresh_library / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # blockdiag/kernels cannot be made under a file
+    monkeypatch.setattr(simd.tempfile, "gettempdir", lambda: str(fresh_library / "tmp"))
+    assert simd._library()[1] is None
+    assert any((fresh_library / "tmp").glob("blockdiag-kernels-*/simd-*.so"))
+
+
+@pytest.mark.parametrize(
+    "setup,reason",
+    [
+        ("no compiler", r"no C compiler: /nonexistent/cc is not on PATH \(set \$CC\)"),
+        ("compiler fails", r"compiling the kernels with .*false failed \(exit 1\)"),
+        ("no AVX-512", r"this CPU has no AVX-512F"),
+        ("other platform", r"needs Linux on x86-64 \(this is darwin on arm64\)"),
+    ],
+)
+def test_unavailable_with_the_reason(fresh_library, monkeypatch, setup, reason):
+    if setup == "no compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    elif setup == "compiler fails":
+        monkeypatch.setenv("CC", "false")
+    elif setup == "no AVX-512":
+        monkeypatch.setattr(simd, "_cpu_description", lambda: "Some CPU|fpu sse2 avx2 fma")
+    else:
+        monkeypatch.setattr(simd.sys, "platform", "darwin")
+        monkeypatch.setattr(simd.platform, "machine", lambda: "arm64")
+    why = get("simd").unavailable_reason()
+    assert why is not None and re.search(reason, why), why
+    with pytest.raises(BlockDiagError, match="simd.*" + reason):
+        grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")
+    assert not list(fresh_library.rglob("*.tmp"))  # a failed build leaves nothing behind
+
+
+def test_a_library_with_another_abi_is_refused(fresh_library, monkeypatch):
+    monkeypatch.setattr(simd, "_ABI", 999)  # as if the C sources were older than this module
+    why = simd._library()[1]
+    assert why is not None and "has kernel ABI 1, this blockdiag needs 999" in why
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_the_probe_leaves_the_process_safe_to_fork(tmp_path):
+    # The probe compiles and loads the library but must run no OpenMP code: a forked child
+    # would hang in its first parallel op. A fresh cache makes the probe build here.
+    script = textwrap.dedent(
+        """
+        import os, torch, blockdiag
+        from blockdiag.backends import get
+        assert get("simd").unavailable_reason() is None
+        blockdiag.backends()
+        blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
+        pid = os.fork()
+        if pid == 0:
+            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("a child forked after the simd probe hung in torch.bmm")
+    assert proc.returncode == 0, err
