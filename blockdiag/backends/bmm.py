@@ -11,8 +11,9 @@ weight as stored (or through its transposed view); only the output is written on
 Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
 measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
 at one training point (B=32 G=16 32x32): ``simd`` wins 46 of the 83 forward points and
-``bmm_fm`` the other small-batch and large-block ones (34; ``mkl_batch`` 3), and, in training, ``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below) took
-the points ``bmm`` had. ``bmm`` stays registered as the first choice where nothing is
+``bmm_fm`` most of the small-batch and large-block ones (34; ``mkl_batch`` 3), and, in
+training, ``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below), ``simd`` and
+``mkl_batch`` took the points ``bmm`` had. ``bmm`` stays registered as the first choice where nothing is
 measured on CUDA, and as the plainest batched form.
 
 ``bmm`` has its own backward for one product. Autograd would form its weight gradient as
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .._errors import BlockDiagError
 from ._registry import FLOATS, Backend, register
 
 
@@ -111,3 +113,22 @@ BACKEND_FM = register(
         summary="batched matmul, feature-major weight @ x^T views, bias fused (baddbmm)",
     )
 )
+
+
+def call_compiled(name, check, hint, function, forward, x, weight, bias):
+    """The shared entry of the backends that call compiled kernels (``mkl_batch``, ``simd``).
+
+    Empty problems (a zero batch or block side) run ``bmm_fm``'s torch ops, which give the
+    right empty or bias-only result and gradients; ``check()`` (the first call's numerical
+    check) returning a reason raises :class:`BlockDiagError` naming the backend; without
+    anything to differentiate the autograd ``function`` is skipped (its fixed cost is
+    about 9 us), and ``forward`` runs directly.
+    """
+    if x.numel() == 0 or weight.numel() == 0:
+        return bmm_fm(x, weight, bias)
+    why = check()
+    if why is not None:
+        raise BlockDiagError(f"{name}: {why}; {hint}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return function.apply(x, weight, bias)
+    return forward(x, weight, bias)

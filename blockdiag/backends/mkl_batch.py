@@ -44,9 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, Problem, register
-from .bmm import _Bmm, bmm_fm
+from .bmm import _Bmm, call_compiled
 
 # CBLAS enum values (cblas.h): row-major layout, no transpose, transpose.
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -173,15 +172,8 @@ class _MklBatch(torch.autograd.Function):
 
 def mkl_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, one MKL batch call."""
-    if x.numel() == 0 or weight.numel() == 0:
-        return bmm_fm(x, weight, bias)
-    why = _check()
-    if why is not None:
-        raise BlockDiagError(f"mkl_batch: {why}; this torch build's MKL cannot be used, choose another backend")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _MklBatch.apply(x, weight, bias)
-    # Nothing to differentiate: skip the autograd Function's fixed cost (about 9 us).
-    return _forward(x, weight, bias)
+    return call_compiled("mkl_batch", _check, "this torch build's MKL cannot be used, choose another backend",
+                         _MklBatch, _forward, x, weight, bias)
 
 
 def _probe() -> Optional[str]:

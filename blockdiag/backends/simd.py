@@ -54,9 +54,8 @@ from typing import Optional
 
 import torch
 
-from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, register
-from .bmm import _Bmm, bmm_fm
+from .bmm import _Bmm, call_compiled
 
 # Bumped with _simd.c's bd_abi_version() whenever an exported signature changes.
 _ABI = 1
@@ -240,15 +239,8 @@ class _Simd(torch.autograd.Function):
 
 def simd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in blockdiag's C kernels."""
-    if x.numel() == 0 or weight.numel() == 0:
-        return bmm_fm(x, weight, bias)
-    why = _library()[1] or _check()
-    if why is not None:
-        raise BlockDiagError(f"simd: {why}; choose another backend")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _Simd.apply(x, weight, bias)
-    # Nothing to differentiate: skip the autograd Function's fixed cost.
-    return _forward(x, weight, bias)
+    return call_compiled("simd", lambda: _library()[1] or _check(), "choose another backend", _Simd, _forward,
+                         x, weight, bias)
 
 
 def _probe() -> Optional[str]:
