@@ -220,8 +220,8 @@ void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx
                (its band of x and gy, about 256 KiB, stays cached while all its items pass over
                the block) and its items in column order within a block, so consecutive items
                read neighbouring columns of the same rows. Running each item over all rows
-               instead (strided by a whole row, a new cache line per row) took 2.3x as long at
-               B=2048 G=256 10x10. */
+               instead (strided by a whole row, a new cache line per row) took 10.2 ms at
+               B=2048 G=256 10x10, against 1.9-2.0 ms in these blocks (prototype, bare kernel). */
             int64_t ga = a / (otiles * ichunks), gz = (b - 1) / (otiles * ichunks) + 1;
             int64_t band = (gz - ga) * (I + O) * (int64_t)sizeof(T) + 128;
             int64_t rb = (256 * 1024) / band;
