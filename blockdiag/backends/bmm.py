@@ -81,19 +81,44 @@ def bmm_fm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return yt.permute(2, 0, 1).reshape(n, g * o)
 
 
-def fm_forward_with(backward, name: str) -> type:
-    """An autograd Function with ``bmm_fm``'s forward and the given ``backward(ctx, gy)``.
+def function_with(forward_fn, backward, name: str, backend_name: str | None = None) -> type:
+    """An autograd Function with the forward ``forward_fn(x, weight, bias)`` and ``backward(ctx, gy)``.
 
-    The forward saves ``(x, weight)`` and sets ``ctx.has_bias``: what ``_Bmm.backward`` and
-    ``loop``'s backward read, so ``bmm_fm_bmm`` and ``bmm_fm_loop`` share this forward.
+    The forward saves ``(x, weight)`` themselves (not a kernel's copies, so a double backward
+    reaches them) and sets ``ctx.has_bias``: what ``_Bmm.backward`` and ``loop``'s backward
+    read.
     """
 
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return bmm_fm(x, weight, bias)
+        if backend_name is not None:
+            ctx.backend_name = backend_name
+        return forward_fn(x, weight, bias)
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def fm_forward_with(backward, name: str) -> type:
+    """``bmm_fm``'s forward with the given backward: ``bmm_fm_bmm`` and ``bmm_fm_loop`` share it."""
+    return function_with(bmm_fm, backward, name)
+
+
+def compiled_function(forward_fn, first_order_backward, name: str, backend_name: str) -> type:
+    """The autograd Function of a compiled-kernel backend (``mkl_batch``, ``simd``).
+
+    ``first_order_backward(ctx, gy)`` runs the kernels. Under ``create_graph=True`` the
+    backward is ``bmm``'s instead, written in differentiable ops, so double backward works
+    (and ``auto``, which picks these backends for training, stays usable for gradient
+    penalties).
+    """
+
+    def backward(ctx, gy):
+        if torch.is_grad_enabled():
+            return _Bmm.backward(ctx, gy)
+        return first_order_backward(ctx, gy)
+
+    return function_with(forward_fn, backward, name, backend_name)
 
 
 BACKEND = register(

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ._registry import F32_F64, Backend, Problem, register
-from .bmm import _Bmm, call_compiled
+from .bmm import call_compiled, compiled_function
 
 # CBLAS enum values (cblas.h): row-major layout, no transpose, transpose.
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -132,42 +132,30 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     return y
 
 
-class _MklBatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        y = _forward(x, weight, bias)
-        # The inputs themselves, not _forward's row-major copies: a double backward must
-        # reach x and weight through them.
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.backend_name = "mkl_batch"
-        return y
+def _backward(ctx, gy):
+    """The three gradient products, computed by MKL (first order)."""
+    x, weight = ctx.saved_tensors
+    g, o, i = weight.shape
+    n = x.shape[0]
+    x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
+    weight = weight.contiguous()
+    gy, ldy = _rows(gy, g * o)
+    need_x, need_w, need_b = ctx.needs_input_grad
+    gx = gw = gb = None
+    if need_x:
+        # gx_g [N, in] = gy_g [N, out] @ W_g [out, in], written into its columns of gx.
+        gx = x.new_empty(n, g * i)
+        _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, ldy, weight, o * i, i, gx, i, g * i, g)
+    if need_w:
+        # gw_g [out, in] = gy_g^T @ x_g: the weight's own layout.
+        gw = weight.new_empty(g, o, i)
+        _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, ldy, x, i, ldx, gw, o * i, i, g)
+    if ctx.has_bias and need_b:
+        gb = gy.sum(0)
+    return gx, gw, gb
 
-    @staticmethod
-    def backward(ctx, gy):
-        if torch.is_grad_enabled():
-            # create_graph=True: bmm's backward, written in differentiable ops, so that
-            # auto may choose this backend for a gradient penalty too.
-            return _Bmm.backward(ctx, gy)
-        x, weight = ctx.saved_tensors
-        g, o, i = weight.shape
-        n = x.shape[0]
-        x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
-        weight = weight.contiguous()
-        gy, ldy = _rows(gy, g * o)
-        need_x, need_w, need_b = ctx.needs_input_grad
-        gx = gw = gb = None
-        if need_x:
-            # gx_g [N, in] = gy_g [N, out] @ W_g [out, in], written into its columns of gx.
-            gx = x.new_empty(n, g * i)
-            _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, ldy, weight, o * i, i, gx, i, g * i, g)
-        if need_w:
-            # gw_g [out, in] = gy_g^T @ x_g: the weight's own layout.
-            gw = weight.new_empty(g, o, i)
-            _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, ldy, x, i, ldx, gw, o * i, i, g)
-        if ctx.has_bias and need_b:
-            gb = gy.sum(0)
-        return gx, gw, gb
+
+_MklBatch = compiled_function(_forward, _backward, "_MklBatch", "mkl_batch")
 
 
 def mkl_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

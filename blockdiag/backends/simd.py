@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from ._registry import F32_F64, Backend, register
-from .bmm import _Bmm, call_compiled
+from .bmm import call_compiled, compiled_function
 
 # Bumped with _simd.c's bd_abi_version() whenever an exported signature changes.
 _ABI = 1
@@ -208,33 +208,23 @@ def _grad_weight(gy: torch.Tensor, x: torch.Tensor, shape, with_bias: bool):
     return gw, gb
 
 
-class _Simd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        y = _forward(x, weight, bias)
-        # The inputs themselves: a double backward (bmm's) must reach x and weight through them.
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.backend_name = "simd"
-        return y
+def _backward(ctx, gy):
+    """The gradients, computed by the kernels (first order)."""
+    x, weight = ctx.saved_tensors
+    weight = weight.contiguous()
+    gy = _cols(gy)
+    need_x, need_w, need_b = ctx.needs_input_grad
+    need_b = need_b and ctx.has_bias
+    gx = _grad_input(gy, weight) if need_x else None
+    gw = gb = None
+    if need_w:
+        gw, gb = _grad_weight(gy, _cols(x), weight.shape, need_b)
+    elif need_b:
+        gb = gy.sum(0)
+    return gx, gw, gb
 
-    @staticmethod
-    def backward(ctx, gy):
-        if torch.is_grad_enabled():
-            # create_graph=True: bmm's backward, written in differentiable ops.
-            return _Bmm.backward(ctx, gy)
-        x, weight = ctx.saved_tensors
-        weight = weight.contiguous()
-        gy = _cols(gy)
-        need_x, need_w, need_b = ctx.needs_input_grad
-        need_b = need_b and ctx.has_bias
-        gx = _grad_input(gy, weight) if need_x else None
-        gw = gb = None
-        if need_w:
-            gw, gb = _grad_weight(gy, _cols(x), weight.shape, need_b)
-        elif need_b:
-            gb = gy.sum(0)
-        return gx, gw, gb
+
+_Simd = compiled_function(_forward, _backward, "_Simd", "simd")
 
 
 def simd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
