@@ -34,6 +34,17 @@ INL void CAT(tile, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp, int64_
         for (int j = 0; j < NV; j++) VSTOREM(c + r * ldc + j * VL, mk[j], acc[r][j]);
 }
 
+/* The tiles of groups g0..g1 for one row tile, when a group's columns are one chunk (N <= MAXNV
+   vectors): RR and NV are constants over the whole run of groups, so the group loop runs inside
+   one specialised function instead of a call and two switches per group. */
+INL void CAT(tile_groups, SFX)(const T* a, int64_t lda, const T* p, int64_t sp, int64_t ldp, int64_t K,
+                               const T* bias, T* c, int64_t ldc, int64_t N, int64_t g0, int64_t g1,
+                               const int RR, const int NV)
+{
+    for (int64_t g = g0; g < g1; g++)
+        CAT(tile, SFX)(a + g * K, lda, p + g * sp, ldp, K, bias ? bias + g * N : 0, c + g * N, ldc, N, RR, NV);
+}
+
 /* Rows per tile: as many independent accumulator chains as the registers allow. */
 #define RTILE(nv) ((nv) <= 2 ? 8 : 6)
 
@@ -41,6 +52,23 @@ static void CAT(tile_any, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp,
                                const T* bias, T* c, int64_t ldc, int64_t nw, int rr, int nv)
 {
 #define CASE_R(R, NVC) case R: CAT(tile, SFX)(a, lda, p, ldp, K, bias, c, ldc, nw, R, NVC); break;
+#define SWITCH_R(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
+                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
+    switch (nv) {
+    case 1: SWITCH_R(1) break;
+    case 2: SWITCH_R(2) break;
+    case 3: SWITCH_R(3) break;
+    case 4: SWITCH_R(4) break;
+    }
+#undef CASE_R
+#undef SWITCH_R
+}
+
+static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64_t sp, int64_t ldp, int64_t K,
+                                     const T* bias, T* c, int64_t ldc, int64_t N, int64_t g0, int64_t g1,
+                                     int rr, int nv)
+{
+#define CASE_R(R, NVC) case R: CAT(tile_groups, SFX)(a, lda, p, sp, ldp, K, bias, c, ldc, N, g0, g1, R, NVC); break;
 #define SWITCH_R(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
                                     CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
     switch (nv) {
@@ -74,6 +102,11 @@ static void CAT(bdmm, SFX)(const T* x, int64_t ldx, const T* pk, int64_t sp, int
             int64_t r0 = t * rt;
             int rr = (int)(rows - r0 < rt ? rows - r0 : rt);
             int64_t g1 = (cg + 1) * gc < G ? (cg + 1) * gc : G;
+            if (nchunks == 1) {
+                CAT(tile_groups_any, SFX)(x + r0 * ldx, ldx, pk, sp, ldp, K, bias, y + r0 * ldy, ldy, N,
+                                          cg * gc, g1, rr, nvmax);
+                continue;
+            }
             for (int64_t g = cg * gc; g < g1; g++)
                 for (int64_t ch = 0; ch < nchunks; ch++) {
                     int64_t n0 = ch * MAXNV * VL;
@@ -195,6 +228,39 @@ static void CAT(wtile_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t l
 #undef SWITCH_R16
 }
 
+/* The weight-gradient tiles of groups g0..g1 over rows n0..n1, when a group is one tile (O <= its
+   rows, I <= MAXNV vectors): as tile_groups, the group loop runs inside one specialised function. */
+INL void CAT(wtile_groups, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0, int64_t n1,
+                                T* gw, T* gb, int first, int64_t I, int64_t O, int64_t g0, int64_t g1,
+                                const int RR, const int NV)
+{
+    for (int64_t g = g0; g < g1; g++)
+        CAT(wtile, SFX)(gy + g * O, ldgy, x + g * I, ldx, n0, n1, gw + g * O * I, I, I, gb ? gb + g * O : 0,
+                        first, RR, NV);
+}
+
+static void CAT(wtile_groups_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0,
+                                       int64_t n1, T* gw, T* gb, int first, int64_t I, int64_t O, int64_t g0,
+                                       int64_t g1, int rr, int nv)
+{
+#define CASE_R(R, NVC) case R: CAT(wtile_groups, SFX)(gy, ldgy, x, ldx, n0, n1, gw, gb, first, I, O, g0, g1, R, NVC); break;
+#define SWITCH_R8(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
+                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
+#define SWITCH_R16(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
+                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) \
+                                    CASE_R(9, NVC) CASE_R(10, NVC) CASE_R(11, NVC) CASE_R(12, NVC) \
+                                    CASE_R(13, NVC) CASE_R(14, NVC) CASE_R(15, NVC) CASE_R(16, NVC) }
+    switch (nv) {
+    case 1: SWITCH_R16(1) break;
+    case 2: SWITCH_R8(2) break;
+    case 3: SWITCH_R8(3) break;
+    case 4: SWITCH_R8(4) break;
+    }
+#undef CASE_R
+#undef SWITCH_R8
+#undef SWITCH_R16
+}
+
 /* weight and bias gradients: gw[g][o][i] = sum_n gy[n, g*O+o] x[n, g*I+i], gb[g*O+o] = sum_n gy[n, g*O+o].
    gb may be NULL. The bias sums ride along with each output tile's first column chunk. */
 void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, T* gw, T* gb,
@@ -229,6 +295,10 @@ void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx
             if (rb > 64) rb = 64;
             for (int64_t n0 = 0; n0 < rows; n0 += rb) {
                 int64_t n1 = n0 + rb < rows ? n0 + rb : rows;
+                if (otiles == 1 && ichunks == 1) {
+                    CAT(wtile_groups_any, SFX)(gy, ldgy, x, ldx, n0, n1, gw, gb, n0 == 0, I, O, a, b, (int)O, nvmax);
+                    continue;
+                }
                 for (int64_t it = a; it < b; it++) {
                     int64_t g = it / (otiles * ichunks), rem = it % (otiles * ichunks);
                     int64_t ot = rem / ichunks, ch = rem % ichunks;
