@@ -10,10 +10,10 @@ weight as stored (or through its transposed view); only the output is written on
 
 Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
 measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
-at one training point (B=32 G=16 32x32): ``simd`` wins 46 of the 83 forward points and
-``bmm_fm`` most of the small-batch and large-block ones (34; ``mkl_batch`` 3), and, in
-training, ``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below), ``simd`` and
-``mkl_batch`` took the points ``bmm`` had. ``bmm`` stays registered as the first choice where nothing is
+at no point: ``simd`` wins 45 of the 83 forward points and ``bmm_fm`` most of the
+small-batch and large-block ones (34; ``mkl_batch`` 4), and, in training, ``bmm_fm_bmm``
+(``bmm_fm``'s forward with ``bmm``'s backward below), ``simd`` and ``mkl_batch`` took the
+points ``bmm`` had (``bmm_fm`` itself wins one, B=32 G=4 10x150). ``bmm`` stays registered as the first choice where nothing is
 measured on CUDA, and as the plainest batched form.
 
 ``bmm`` has its own backward for one product. Autograd would form its weight gradient as
