@@ -8,6 +8,15 @@
 #define MAXNV 4
 #define MASK(n) ((M)(((n) >= VL) ? (M)~(M)0 : (M)((1u << (n)) - 1u)))
 
+/* The register tiles take their rows (rr) and vectors of columns (nv) as compile-time
+   constants: DISPATCH(C, ROWS1) turns the runtime pair into C(R, NV), a case of a switch,
+   for rr up to 8 (or up to 16 with one vector, where ROWS1 is ROWS16) and nv up to MAXNV. */
+#define ROWS8(C, NV) switch (rr) { C(1, NV) C(2, NV) C(3, NV) C(4, NV) C(5, NV) C(6, NV) C(7, NV) C(8, NV) }
+#define ROWS16(C, NV) switch (rr) { C(1, NV) C(2, NV) C(3, NV) C(4, NV) C(5, NV) C(6, NV) C(7, NV) C(8, NV) \
+                                    C(9, NV) C(10, NV) C(11, NV) C(12, NV) C(13, NV) C(14, NV) C(15, NV) C(16, NV) }
+#define DISPATCH(C, ROWS1) switch (nv) { case 1: ROWS1(C, 1) break; case 2: ROWS8(C, 2) break; \
+                                         case 3: ROWS8(C, 3) break; case 4: ROWS8(C, 4) break; }
+
 /* C[r, n] (n < nw) = (bias[n]) + sum_k A[r*lda + k] * P[k*ldp + n],  r < RR; NV = ceil(nw/VL).
    RR and NV are compile-time constants at every call (tile_any's switch), so the RR x NV
    accumulators live in registers. P's rows are zero-padded to whole vectors so its loads
@@ -52,16 +61,8 @@ static void CAT(tile_any, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp,
                                const T* bias, T* c, int64_t ldc, int64_t nw, int rr, int nv)
 {
 #define CASE_R(R, NVC) case R: CAT(tile, SFX)(a, lda, p, ldp, K, bias, c, ldc, nw, R, NVC); break;
-#define SWITCH_R(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
-    switch (nv) {
-    case 1: SWITCH_R(1) break;
-    case 2: SWITCH_R(2) break;
-    case 3: SWITCH_R(3) break;
-    case 4: SWITCH_R(4) break;
-    }
+    DISPATCH(CASE_R, ROWS8)
 #undef CASE_R
-#undef SWITCH_R
 }
 
 static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64_t sp, int64_t ldp, int64_t K,
@@ -69,16 +70,8 @@ static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64
                                      int rr, int nv)
 {
 #define CASE_R(R, NVC) case R: CAT(tile_groups, SFX)(a, lda, p, sp, ldp, K, bias, c, ldc, N, g0, g1, R, NVC); break;
-#define SWITCH_R(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
-    switch (nv) {
-    case 1: SWITCH_R(1) break;
-    case 2: SWITCH_R(2) break;
-    case 3: SWITCH_R(3) break;
-    case 4: SWITCH_R(4) break;
-    }
+    DISPATCH(CASE_R, ROWS8)
 #undef CASE_R
-#undef SWITCH_R
 }
 
 /* Y[n, g*N + j] = bias[g*N + j] + sum_k X[n, g*K + k] * P[g*sp + k*ldp + j] */
@@ -211,21 +204,8 @@ static void CAT(wtile_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t l
                                 T* gw, int64_t ldgw, int64_t iw, T* gb, int first, int rr, int nv)
 {
 #define CASE_R(R, NVC) case R: CAT(wtile, SFX)(gy, ldgy, x, ldx, n0, n1, gw, ldgw, iw, gb, first, R, NVC); break;
-#define SWITCH_R8(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
-#define SWITCH_R16(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) \
-                                    CASE_R(9, NVC) CASE_R(10, NVC) CASE_R(11, NVC) CASE_R(12, NVC) \
-                                    CASE_R(13, NVC) CASE_R(14, NVC) CASE_R(15, NVC) CASE_R(16, NVC) }
-    switch (nv) {
-    case 1: SWITCH_R16(1) break;
-    case 2: SWITCH_R8(2) break;
-    case 3: SWITCH_R8(3) break;
-    case 4: SWITCH_R8(4) break;
-    }
+    DISPATCH(CASE_R, ROWS16)
 #undef CASE_R
-#undef SWITCH_R8
-#undef SWITCH_R16
 }
 
 /* The weight-gradient tiles of groups g0..g1 over rows n0..n1, when a group is one tile (O <= its
@@ -244,21 +224,8 @@ static void CAT(wtile_groups_any, SFX)(const T* gy, int64_t ldgy, const T* x, in
                                        int64_t g1, int rr, int nv)
 {
 #define CASE_R(R, NVC) case R: CAT(wtile_groups, SFX)(gy, ldgy, x, ldx, n0, n1, gw, gb, first, I, O, g0, g1, R, NVC); break;
-#define SWITCH_R8(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) }
-#define SWITCH_R16(NVC) switch (rr) { CASE_R(1, NVC) CASE_R(2, NVC) CASE_R(3, NVC) CASE_R(4, NVC) \
-                                    CASE_R(5, NVC) CASE_R(6, NVC) CASE_R(7, NVC) CASE_R(8, NVC) \
-                                    CASE_R(9, NVC) CASE_R(10, NVC) CASE_R(11, NVC) CASE_R(12, NVC) \
-                                    CASE_R(13, NVC) CASE_R(14, NVC) CASE_R(15, NVC) CASE_R(16, NVC) }
-    switch (nv) {
-    case 1: SWITCH_R16(1) break;
-    case 2: SWITCH_R8(2) break;
-    case 3: SWITCH_R8(3) break;
-    case 4: SWITCH_R8(4) break;
-    }
+    DISPATCH(CASE_R, ROWS16)
 #undef CASE_R
-#undef SWITCH_R8
-#undef SWITCH_R16
 }
 
 /* weight and bias gradients: gw[g][o][i] = sum_n gy[n, g*O+o] x[n, g*I+i], gb[g*O+o] = sum_n gy[n, g*O+o].
@@ -319,5 +286,8 @@ void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx
 #undef CAT
 #undef MAXNV
 #undef MASK
+#undef ROWS8
+#undef ROWS16
+#undef DISPATCH
 #undef RTILE
 #undef WRTILE
