@@ -60,9 +60,10 @@ def fresh_library(monkeypatch, tmp_path):
 # in one column chunk (33), several column chunks with a partial last one (65, 150), in
 # float32 (16 lanes, 64-column chunks) and float64 (8 lanes, 32-column chunks). Batches
 # that reach partial row tiles (1, 7, 9) and, in the weight gradient, several row blocks
-# accumulated in turn (300 rows: blocks of at most 64). Groups that are one tile (o <= 64 in
-# the forward, o <= 16 and i <= 64 in the weight gradient) take the group loop inside one
-# specialised function; (5, 4, 10, 150), (70, 1, 64, 64) and (300, 2, 65, 7) the per-group calls.
+# accumulated in turn (300 rows: blocks of at most 64). Groups that are one register tile
+# (forward: o at most 4 vectors; weight gradient: o <= 16, 8 or 6 rows as i needs 1, 2 or
+# 3-4 vectors) take the group loop inside one specialised function; (5, 4, 10, 150),
+# (70, 1, 64, 64) and (300, 2, 65, 7) take the per-group calls.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize(
     "n,g,i,o",
