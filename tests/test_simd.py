@@ -62,8 +62,8 @@ def fresh_library(monkeypatch, tmp_path):
 # that reach partial row tiles (1, 7, 9) and, in the weight gradient, several row blocks
 # accumulated in turn (300 rows: blocks of at most 64). Groups that are one register tile
 # (forward: o at most 4 vectors; weight gradient: o <= 16, 8 or 6 rows as i needs 1, 2 or
-# 3-4 vectors) take the group loop inside one specialised function; (5, 4, 10, 150),
-# (70, 1, 64, 64) and (300, 2, 65, 7) take the per-group calls.
+# 3-4 vectors) take the group loop inside one specialised function; (5, 4, 10, 150) takes
+# the per-group calls in both, (70, 1, 64, 64) and (300, 2, 65, 7) in the weight gradient.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize(
     "n,g,i,o",
