@@ -7,6 +7,8 @@ skipped: the test asserts that asking for it raises :class:`BlockDiagError` with
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import scipy.linalg
@@ -321,3 +323,32 @@ def test_double_backward_follows_declaration(name):
         # plain first-order backward still works
         (gx,) = torch.autograd.grad(fn(x, w, b).square().sum(), (x,))
         torch.testing.assert_close(gx, torch.autograd.grad(reference_loop(x, w, b).square().sum(), (x,))[0])
+
+
+# The backends that call compiled kernels share bmm.call_compiled; its no-grad fast path is
+# theirs too. Without anything to differentiate, the autograd Function (about 9 us) must be
+# skipped, not merely leave no graph behind (which Function.apply would do as well).
+COMPILED = [
+    pytest.param(name, function, id=name,
+                 marks=pytest.mark.skipif(get(name).unavailable_reason() is not None,
+                                          reason=f"{name} unavailable here: {get(name).unavailable_reason()}"))
+    for name, function in (("mkl_batch", "_MklBatch"), ("simd", "_Simd"))
+]
+
+
+@pytest.mark.parametrize("name,function", COMPILED)
+def test_compiled_backends_skip_their_autograd_function_without_grad(name, function, monkeypatch):
+    cls = getattr(importlib.import_module(f"blockdiag.backends.{name}"), function)
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    want = reference_loop(x, w, None)
+
+    def refuse(*_):
+        raise AssertionError("autograd Function used without grad")
+
+    with monkeypatch.context() as m:
+        m.setattr(cls, "apply", refuse)
+        torch.testing.assert_close(grouped_linear(x, w, None, backend=name), want)
+        with torch.no_grad():
+            torch.testing.assert_close(grouped_linear(x, w.clone().requires_grad_(), None, backend=name), want)
+    y = grouped_linear(x, w.requires_grad_(), None, backend=name)
+    assert y.grad_fn is not None and function.lstrip("_") in type(y.grad_fn).__name__

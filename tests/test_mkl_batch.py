@@ -68,24 +68,6 @@ def test_column_major_input_is_copied_and_correct():
         torch.testing.assert_close(a, c)
 
 
-def test_no_autograd_function_without_grad(monkeypatch):
-    # Nothing to differentiate: the autograd Function (about 9 us) must be skipped, not
-    # merely leave no graph behind (which Function.apply would do as well).
-    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
-    want = reference_loop(x, w, None)
-
-    def refuse(*_):
-        raise AssertionError("autograd Function used without grad")
-
-    with monkeypatch.context() as m:
-        m.setattr(mkl_batch._MklBatch, "apply", refuse)
-        torch.testing.assert_close(grouped_linear(x, w, None, backend="mkl_batch"), want)
-        with torch.no_grad():
-            torch.testing.assert_close(grouped_linear(x, w.clone().requires_grad_(), None, backend="mkl_batch"), want)
-    y = grouped_linear(x, w.requires_grad_(), None, backend="mkl_batch")
-    assert y.grad_fn is not None and "MklBatch" in type(y.grad_fn).__name__
-
-
 def test_missing_symbols_make_it_unavailable_with_the_reason(monkeypatch):
     monkeypatch.setattr(mkl_batch, "_kernels", lambda: (None, "torch's CPU library does not export MKL's cblas_sgemm_batch"))
     why = get("mkl_batch").unavailable_reason()
