@@ -8,6 +8,11 @@ skipped: the test asserts that asking for it raises :class:`BlockDiagError` with
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -352,3 +357,40 @@ def test_compiled_backends_skip_their_autograd_function_without_grad(name, funct
             torch.testing.assert_close(grouped_linear(x, w.clone().requires_grad_(), None, backend=name), want)
     y = grouped_linear(x, w.requires_grad_(), None, backend=name)
     assert y.grad_fn is not None and function.lstrip("_") in type(y.grad_fn).__name__
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
+    # The availability probes run in every process that lists backends or plans (asv's
+    # benchmark server forks its runners after that). Had one run OpenMP or MKL code (the
+    # compiled backends' probes must not: simd's compiles and loads, here from a fresh
+    # cache, and mkl_batch's looks up symbols), the forked child would hang in its first
+    # parallel op; the child's exit within the timeout is the check.
+    script = textwrap.dedent(
+        """
+        import os, sys, torch, blockdiag
+        from blockdiag.backends import get
+        expected = sys.argv[1].split(",") if sys.argv[1] else []
+        assert all(get(n).unavailable_reason() is None for n in expected), expected
+        blockdiag.backends()
+        blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
+        pid = os.fork()
+        if pid == 0:
+            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    available = ",".join(n for n in ("mkl_batch", "simd") if get(n).unavailable_reason() is None)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    # Its own session, so that a hung child (orphaned when the parent is killed) goes too.
+    proc = subprocess.Popen([sys.executable, "-c", script, available], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("a child forked after listing backends and planning hung in torch.bmm")
+    assert proc.returncode == 0, err

@@ -7,12 +7,6 @@ leading dimension instead of copying, and it must refuse to run where its assump
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
@@ -91,35 +85,6 @@ def test_an_mkl_that_disagrees_with_torch_is_refused_at_the_first_call(monkeypat
             grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
     finally:
         mkl_batch._check.cache_clear()
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_listing_backends_and_planning_leave_the_process_safe_to_fork():
-    # The availability probe runs in every process that lists backends or plans (asv's
-    # benchmark server forks its runners after that). Had it run MKL, the forked child would
-    # hang in its first parallel op; the child's exit within the timeout is the check.
-    script = textwrap.dedent(
-        """
-        import os, torch, blockdiag
-        blockdiag.backends()
-        blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
-        pid = os.fork()
-        if pid == 0:
-            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        raise SystemExit(os.waitstatus_to_exitcode(status))
-        """
-    )
-    # Its own session, so that a hung child (orphaned when the parent is killed) goes too.
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("a child forked after listing backends and planning hung in torch.bmm")
-    assert proc.returncode == 0, err
 
 
 def test_sizes_beyond_32_bits_are_declined():

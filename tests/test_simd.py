@@ -8,12 +8,7 @@ build can fail.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -209,34 +204,3 @@ def test_a_library_with_another_abi_is_refused(fresh_library, monkeypatch):
     monkeypatch.setattr(simd, "_ABI", 999)  # as if the C sources were older than this module
     why = simd._library()[1]
     assert why is not None and "has kernel ABI 1, this blockdiag needs 999" in why
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_the_probe_leaves_the_process_safe_to_fork(tmp_path):
-    # The probe compiles and loads the library but must run no OpenMP code: a forked child
-    # would hang in its first parallel op. A fresh cache makes the probe build here.
-    script = textwrap.dedent(
-        """
-        import os, torch, blockdiag
-        from blockdiag.backends import get
-        assert get("simd").unavailable_reason() is None
-        blockdiag.backends()
-        blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
-        pid = os.fork()
-        if pid == 0:
-            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        raise SystemExit(os.waitstatus_to_exitcode(status))
-        """
-    )
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("a child forked after the simd probe hung in torch.bmm")
-    assert proc.returncode == 0, err
