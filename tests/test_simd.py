@@ -59,11 +59,16 @@ def fresh_library(monkeypatch, tmp_path):
 # (forward: o at most 4 vectors; weight gradient: o <= 16, 8 or 6 rows as i needs 1, 2 or
 # 3-4 vectors) take the group loop inside one specialised function; (5, 4, 10, 150) takes
 # the per-group calls in both, (70, 1, 64, 64) and (300, 2, 65, 7) in the weight gradient.
+# Batches up to a panel's padded width run the packed products split by groups, with a group
+# shared between threads in (9, 3, 16, 16). The forward dot-product form (o <= 10 and i >= 64
+# in float32, o <= 5 and i >= 32 in float64) is reached, with partial row tiles and a masked
+# last vector of inputs, by (13, 2, 150, 10) and (300, 2, 65, 7) in float32 and by
+# (11, 3, 40, 5) in both.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize(
     "n,g,i,o",
     [(1, 1, 1, 1), (7, 3, 7, 17), (9, 2, 16, 16), (9, 5, 33, 10), (300, 3, 10, 10), (300, 2, 65, 7),
-     (13, 2, 150, 10), (5, 4, 10, 150), (70, 1, 64, 64), (17, 6, 3, 33)],
+     (13, 2, 150, 10), (5, 4, 10, 150), (70, 1, 64, 64), (17, 6, 3, 33), (9, 3, 16, 16), (11, 3, 40, 5)],
     ids=lambda v: str(v),
 )
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -77,16 +82,18 @@ def test_every_tile_path_matches_the_loop_reference(dtype, n, g, i, o, bias):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_results_do_not_depend_on_the_thread_count(threads):
-    # The work is split differently per thread count (the weight gradient's items and row
-    # blocks); every split must give the same sums.
+@pytest.mark.parametrize("n,g,i,o", [(130, 7, 10, 12), (20, 5, 16, 24)], ids=["by rows", "by groups"])
+def test_results_do_not_depend_on_the_thread_count(threads, n, g, i, o):
+    # The work is split differently per thread count (the products' row tiles or groups, the
+    # weight gradient's items and row blocks); every split must give the same sums. With 3
+    # threads the second shape's forward splits groups between threads.
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.randn(130, 7 * 10, dtype=torch.float64, requires_grad=True)
-        w = torch.randn(7, 12, 10, dtype=torch.float64, requires_grad=True)
-        b = torch.randn(7 * 12, dtype=torch.float64, requires_grad=True)
-        _compare(x, w, b, torch.randn(130, 7 * 12, dtype=torch.float64), torch.float64)
+        x = torch.randn(n, g * i, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(g, o, i, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(g * o, dtype=torch.float64, requires_grad=True)
+        _compare(x, w, b, torch.randn(n, g * o, dtype=torch.float64), torch.float64)
     finally:
         torch.set_num_threads(old)
 

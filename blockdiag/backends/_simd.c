@@ -37,6 +37,11 @@ int bd_abi_version(void) { return 1; }
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VSTOREM(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define IT int32_t
+#define IV __m512i
+#define IVLOAD(p) _mm512_loadu_si512(p)
+#define VPERM2(a, i, b) _mm512_permutex2var_ps(a, i, b)
 #define SFX f32
 #include "_simd_body.h"
 #undef T
@@ -50,6 +55,11 @@ int bd_abi_version(void) { return 1; }
 #undef VFMA
 #undef VADD
 #undef VSTOREM
+#undef VSTORE
+#undef IT
+#undef IV
+#undef IVLOAD
+#undef VPERM2
 #undef SFX
 
 #define T double
@@ -63,5 +73,10 @@ int bd_abi_version(void) { return 1; }
 #define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define VADD(a, b) _mm512_add_pd(a, b)
 #define VSTOREM(p, m, v) _mm512_mask_storeu_pd(p, m, v)
+#define VSTORE(p, v) _mm512_storeu_pd(p, v)
+#define IT int64_t
+#define IV __m512i
+#define IVLOAD(p) _mm512_loadu_si512(p)
+#define VPERM2(a, i, b) _mm512_permutex2var_pd(a, i, b)
 #define SFX f64
 #include "_simd_body.h"

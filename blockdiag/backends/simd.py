@@ -7,6 +7,12 @@ block-diagonal product itself (``_simd.c`` and ``_simd_body.h`` beside this modu
 
 - a tile of up to 8 rows by up to 64 output columns is accumulated in vector registers
   while the group's weight streams through, with the input broadcast one element at a time;
+  the weight is first repacked into zero-padded panels, by each thread for the groups it
+  runs, in one parallel region (split by groups at small batches, by rows above);
+- a forward block with few outputs and many inputs (at most 10 outputs and at least 64
+  inputs in float32, 5 and 32 in float64: 150x10) takes a dot-product form instead: the
+  vectors run along the inputs, so every lane is used, the weight is read in place with no
+  repacking, and each output is a horizontal sum, reduced 16 at a time;
 - input, output and gradient slices are read and written in place (row-major with any
   leading dimension, so a column slice of a wider tensor costs no copy);
 - the weight gradient walks the rows in short blocks and carries the bias gradient in
