@@ -373,9 +373,15 @@ int CAT(bd_grad_input, SFX)(const T* gy, int64_t ldgy, const T* w, T* gx, int64_
     return CAT(bdmm, SFX)(gy, ldgy, w, 0, 0, gx, ldgx, rows, G, O, I, nthreads);
 }
 
-/* gw[o][i] (+)= sum_n gy[n*ldgy + o] x[n*ldx + i], o < RR, i < iw;  gb[o] (+)= sum_n gy[n*ldgy + o] */
+/* gw[o][i] (+)= sum_n gy[n*ldgy + o] x[n*ldx + i], o < RR, i < iw;  gb[o] (+)= sum_n gy[n*ldgy + o].
+   FULL loads whole vectors of x in the row loop, reading up to VL - 1 columns past iw (the caller
+   says where they exist; the lanes they feed are never stored). With a masked load in the row
+   loop, or the bias sums, GCC 12 kept a copy of every accumulator on the stack and stored them
+   all on every row (B=256 G=50 64x64: 750 against 464 us); the per-group path below passes FULL
+   wherever it can and sums the bias apart (bsum). */
 INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0, int64_t n1,
-                         T* gw, int64_t ldgw, int64_t iw, T* gb, int first, const int RR, const int NV)
+                         T* gw, int64_t ldgw, int64_t iw, T* gb, int first, const int RR, const int NV,
+                         const int FULL)
 {
     V acc[16][MAXNV];
     M mk[MAXNV];
@@ -385,11 +391,12 @@ INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int
     V sb1 = (gb && !first && RR > VL) ? VLOADM(mb1, gb + VL) : VZERO;
     for (int j = 0; j < NV; j++) {
         mk[j] = MASK(iw - j * VL);
-        for (int r = 0; r < RR; r++) acc[r][j] = first ? VZERO : VLOADM(mk[j], gw + r * ldgw + j * VL);
+        for (int r = 0; r < RR; r++)
+            acc[r][j] = first ? VZERO : VLOADM(mk[j], gw + r * ldgw + j * VL);
     }
     for (int64_t n = n0; n < n1; n++) {
         V xv[MAXNV];
-        for (int j = 0; j < NV; j++) xv[j] = VLOADM(mk[j], x + n * ldx + j * VL);
+        for (int j = 0; j < NV; j++) xv[j] = FULL ? VLOAD(x + n * ldx + j * VL) : VLOADM(mk[j], x + n * ldx + j * VL);
         const T* gr = gy + n * ldgy;
         if (gb) {
             sb0 = VADD(sb0, VLOADM(mb0, gr));
@@ -412,12 +419,30 @@ INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int
    block is one tile and x is read once per group, not twice. */
 #define WRTILE(nv) ((nv) == 1 ? 16 : (nv) == 2 ? 8 : 6)
 
-static void CAT(wtile_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0, int64_t n1,
-                                T* gw, int64_t ldgw, int64_t iw, T* gb, int first, int rr, int nv)
+/* gb[o] (+)= sum_n gy[n*ldgy + o], o < rr */
+static void CAT(bsum, SFX)(const T* gy, int64_t ldgy, int64_t n0, int64_t n1, T* gb, int rr, int first)
 {
-#define CASE_R(R, NVC) case R: CAT(wtile, SFX)(gy, ldgy, x, ldx, n0, n1, gw, ldgw, iw, gb, first, R, NVC); break;
-    DISPATCH(CASE_R, ROWS16)
+    for (int o0 = 0; o0 < rr; o0 += VL) {
+        M m = MASK(rr - o0);
+        V s = first ? VZERO : VLOADM(m, gb + o0);
+        for (int64_t n = n0; n < n1; n++) s = VADD(s, VLOADM(m, gy + n * ldgy + o0));
+        VSTOREM(gb + o0, m, s);
+    }
+}
+
+/* One tile of the per-group path, without the bias; full: whole vectors of x may be read (wtile). */
+static void CAT(wtile_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0, int64_t n1,
+                                T* gw, int64_t ldgw, int64_t iw, int first, int rr, int nv, int full)
+{
+    if (full) {
+#define CASE_R(R, NVC) case R: CAT(wtile, SFX)(gy, ldgy, x, ldx, n0, n1, gw, ldgw, iw, 0, first, R, NVC, 1); break;
+        DISPATCH(CASE_R, ROWS16)
 #undef CASE_R
+    } else {
+#define CASE_R(R, NVC) case R: CAT(wtile, SFX)(gy, ldgy, x, ldx, n0, n1, gw, ldgw, iw, 0, first, R, NVC, 0); break;
+        DISPATCH(CASE_R, ROWS16)
+#undef CASE_R
+    }
 }
 
 /* The weight-gradient tiles of groups g0..g1 over rows n0..n1, when a group is one tile (O <= its
@@ -428,7 +453,7 @@ INL void CAT(wtile_groups, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t l
 {
     for (int64_t g = g0; g < g1; g++)
         CAT(wtile, SFX)(gy + g * O, ldgy, x + g * I, ldx, n0, n1, gw + g * O * I, I, I, gb ? gb + g * O : 0,
-                        first, RR, NV);
+                        first, RR, NV, 0);
 }
 
 static void CAT(wtile_groups_any, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int64_t n0,
@@ -441,7 +466,8 @@ static void CAT(wtile_groups_any, SFX)(const T* gy, int64_t ldgy, const T* x, in
 }
 
 /* weight and bias gradients: gw[g][o][i] = sum_n gy[n, g*O+o] x[n, g*I+i], gb[g*O+o] = sum_n gy[n, g*O+o].
-   gb may be NULL. The bias sums ride along with each output tile's first column chunk. */
+   gb may be NULL. The bias sums ride along with the one-tile groups' tiles, and follow each output
+   tile's first column chunk in the per-group path. */
 void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, T* gw, T* gb,
                               int64_t rows, int64_t G, int64_t I, int64_t O, int nthreads)
 {
@@ -487,8 +513,9 @@ void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx
                     int64_t iw = I - i0 < MAXNV * VL ? I - i0 : MAXNV * VL;
                     int nv = (int)((iw + VL - 1) / VL);
                     CAT(wtile_any, SFX)(gy + g * O + o0, ldgy, x + g * I + i0, ldx, n0, n1,
-                                        gw + (g * O + o0) * I + i0, I, iw,
-                                        (gb && ch == 0) ? gb + g * O + o0 : 0, n0 == 0, rr, nv);
+                                        gw + (g * O + o0) * I + i0, I, iw, n0 == 0, rr, nv,
+                                        g * I + i0 + nv * VL <= G * I);
+                    if (gb && ch == 0) CAT(bsum, SFX)(gy + g * O + o0, ldgy, n0, n1, gb + g * O + o0, rr, n0 == 0);
                 }
             }
         }

@@ -32,7 +32,7 @@ How it is built and found:
 - OpenMP resolves to the ``libgomp.so.1`` that torch has already loaded (the same soname),
   so the kernels share torch's thread pool rather than starting a second one.
 
-The availability probe compiles (once per machine; about 3 s) and loads the library, but
+The availability probe compiles (once per machine; about 10 s) and loads the library, but
 runs nothing: running OpenMP code before a ``fork`` would hang the forked child's first
 parallel op (see ``mkl_batch``). The backend is unavailable, with the reason, off Linux
 x86-64, without AVX-512F, without a C compiler, or when compiling fails. The first call
