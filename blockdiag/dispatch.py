@@ -40,7 +40,7 @@ __all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "NEIGHBO
 # (CPU: time over the fastest in the built-in table, over both modes; bmm_fm_bmm and
 # bmm_fm_loop only run with autograd, so in forward mode the order starts at bmm_fm).
 FALLBACK_ORDER = {
-    "cpu": ("bmm_fm_bmm", "simd", "bmm_fm_loop", "bmm_fm", "mkl_batch", "bmm", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
+    "cpu": ("simd", "bmm_fm_bmm", "bmm_fm_loop", "bmm_fm", "mkl_batch", "bmm", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
     "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "bmm_fm_loop", "bmm_fm_bmm", "dense", "conv", "bsr", "csr", "torch_sparse"),
 }
 

@@ -10,10 +10,10 @@ weight as stored (or through its transposed view); only the output is written on
 
 Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
 measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
-at no point: ``simd`` wins 45 of the 83 forward points and ``bmm_fm`` most of the
-small-batch and large-block ones (34; ``mkl_batch`` 4), and, in training, ``bmm_fm_bmm``
-(``bmm_fm``'s forward with ``bmm``'s backward below), ``simd`` and ``mkl_batch`` took the
-points ``bmm`` had (``bmm_fm`` itself wins one, B=32 G=4 10x150). ``bmm`` stays registered as the first choice where nothing is
+at no point: ``simd`` wins 70 of the 83 forward points and ``bmm_fm`` the other 13 (most
+256x256 points, and B=32 with 10x150 or 64x256 blocks), and, in training, ``simd`` (68),
+``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below; 8) and ``mkl_batch`` (4)
+took the points ``bmm`` had (``bmm_fm`` itself wins one, B=32 G=16 10x150). ``bmm`` stays registered as the first choice where nothing is
 measured on CUDA, and as the plainest batched form.
 
 ``bmm`` has its own backward for one product. Autograd would form its weight gradient as

@@ -18,8 +18,8 @@ the fastest of ``bmm``, ``bmm_fm``, ``bmm_fm_loop`` and itself at 22 of 32 point
 1.4x ahead of the best of the others (B=32 G=256 10x10 and 150x10). It loses to ``bmm_fm``
 at a few small-batch 10x10 points (by up to 12%, the cost of a Python autograd Function)
 and to ``bmm_fm_loop`` at large 150x10 products. In the built-in table (which adds 256x256,
-10x150, 64x256 and 32x32 blocks) it is the fastest at 20 of 83 training points, most of the
-rest going to ``simd`` (45) and ``mkl_batch`` (11). ``auto`` picks by the measured table.
+10x150, 64x256 and 32x32 blocks) it is the fastest at 8 of 83 training points (B=32 with
+256x256, 64x256 or 10x150 blocks), most of the rest going to ``simd`` (68). ``auto`` picks by the measured table.
 
 The backward is ``bmm``'s, written in differentiable ops, so double backward works.
 """

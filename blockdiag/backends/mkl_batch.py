@@ -21,11 +21,10 @@ reads correctly under both the LP64 (32-bit) and the ILP64 (64-bit) MKL interfac
 constraint declines sizes that would not fit 32 bits.
 
 In the built-in CPU table (``blockdiag tune --full --mode both --max-gflop 20``, 2 threads)
-it is the fastest at 9 of 83 training points, where the copies it saves are large (64x64
-and 256x256 blocks at B=256, 150x10 blocks at B=32 with G >= 50, 256x256 blocks at B=2048 G=4 and B=32 G=256), and at
-4 of 83 forward points (B=256 with G=50 64x64 and 64x256, B=256 G=256 64x256, B=32 G=256
-32x32). Before ``simd``
-existed it won 27 training and 11 forward points; ``simd`` took the small-block ones. At small products MKL's batched call costs more than torch's kernels
+it is the fastest at 4 of 83 training points, where the copies it saves are large (256x256
+blocks at B=256 with G >= 16, and at B=2048 G=4), and at no forward point. Before ``simd``
+existed it won 27 training and 11 forward points; ``simd`` took the small-block ones, and
+once its weight gradient kept its accumulators in registers, the 64x64 and 150x10 ones too. At small products MKL's batched call costs more than torch's kernels
 (without autograd, 5-7 us more at B=32 with 10x10 and 64x64 blocks, 18 us at B=256 G=16
 10x10), so ``auto`` picks by the measured table. Under ``create_graph=True`` its backward is
 ``bmm``'s, written in differentiable ops, so double backward works (and ``auto``, which
