@@ -194,7 +194,7 @@ def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]
         if len(_profile_path) > 64:
             _profile_path.clear()
         _profile_path[tok] = path
-    entry, source, ptoken = _profile.cached_entry(device, dtype, path, tok[2])
+    entry, source, ptoken = _profile.cached_entry(device, dtype, path, tok[2:])
     return (tok, ptoken, len(_REGISTRY)), entry, source
 
 

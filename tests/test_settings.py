@@ -1,5 +1,6 @@
 """Settings: validation, precedence (config > set_* > env > profile > default), scoping."""
 
+import os
 import threading
 
 import pytest
@@ -88,3 +89,14 @@ def test_token_changes_with_every_explicit_source(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere")
     t4 = st.token()
     assert len({t0, t1, t2, t3, t4}) == 5
+
+
+@pytest.mark.parametrize("var", st._TOKEN_VARS)
+def test_token_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var):
+    # The token reads os.environ's encoded mapping with the keys unpacked by hand; each
+    # variable must move it, and its values must be what os.environ.get returns.
+    before = st.token()
+    monkeypatch.setenv(var, "0.5")
+    after = st.token()
+    assert before != after
+    assert [None if v is None else os.fsdecode(v) for v in after[2:]] == [os.environ.get(v) for v in st._TOKEN_VARS]

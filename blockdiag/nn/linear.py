@@ -119,11 +119,13 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     auto = backend == "auto"
-    key = (
-        backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
-        None if bias is None else (bias.shape, bias.dtype, bias.device), grad,
-        _settings.token() if auto else None,
-    )
+    # One flat tuple: each nested one would be built and hashed again on every call.
+    if bias is None:
+        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad,
+               _settings.token() if auto else None)
+    else:
+        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad,
+               _settings.token() if auto else None, bias.shape, bias.dtype, bias.device)
     hit = _SELECTED.get(key)
     if hit is not None:
         if not auto:
