@@ -95,6 +95,7 @@ def test_token_changes_with_every_explicit_source(monkeypatch):
 def test_token_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var):
     # The token reads os.environ's encoded mapping with the keys unpacked by hand; each
     # variable must move it, and its values must be what os.environ.get returns.
+    monkeypatch.delenv(var, raising=False)
     before = st.token()
     monkeypatch.setenv(var, "0.5")
     after = st.token()

@@ -109,3 +109,50 @@ class AutoQuality:
         fastest = {name: min(ts) for name, ts in times.items()}
         best = min(v for k, v in fastest.items() if k != "auto")
         return fastest["auto"] / best
+
+
+class Dispatch:
+    """Microseconds per call that ``auto`` costs over naming its own choice.
+
+    Both go through ``grouped_linear`` on a product small enough (batch 4, 3 groups of 6x4)
+    that the dispatch is most of the call, so the difference is the settings token and the
+    memo entry's checks that only ``auto`` pays.
+    """
+
+    params = (DEVICES,)
+    param_names = ["device"]
+    unit = "us per call"
+    rounds = 15
+    number = 2000
+
+    def setup(self, device):
+        require_device(device)
+        self.device = device
+        x = torch.randn(4, 18, device=device)
+        w = torch.randn(3, 4, 6, device=device)
+        b = torch.randn(12, device=device)
+        choice = blockdiag.GroupedLinear(18, 12, 3, device=device).plan(x).backend
+        self.calls = {
+            name: (lambda name=name: blockdiag.grouped_linear(x, w, b, backend=name)) for name in ("auto", choice)
+        }
+        self.choice = choice
+        for call in self.calls.values():
+            call()
+        sync(device)
+
+    def _per_call(self, call) -> float:
+        t0 = timeit.default_timer()
+        for _ in range(self.number):
+            call()
+        sync(self.device)
+        return (timeit.default_timer() - t0) / self.number
+
+    def track_auto_premium_us(self, _):
+        # Interleaved rounds, the median of the per-round differences: both sides of one
+        # difference saw the same moment of the machine.
+        diffs = []
+        for _ in range(self.rounds):
+            auto = self._per_call(self.calls["auto"])
+            fixed = self._per_call(self.calls[self.choice])
+            diffs.append((auto - fixed) * 1e6)
+        return sorted(diffs)[len(diffs) // 2]
