@@ -197,13 +197,16 @@ def cmd_tune(args) -> int:
         f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}",
         file=sys.stderr,
     )
-    entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
-                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
-                 refine=args.refine, progress=sys.stderr)
     path = args.profile or prof.default_profile_path()
     doc, _ = prof.read_profile(path)
-    key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
-    entry = merge_entry((doc or {}).get("entries", {}).get(key), entry)
+    key = prof.profile_key(args.device, args.dtype)
+    old = (doc or {}).get("entries", {}).get(key)
+    # The second opinion for rematches: this machine's earlier tune where there is one
+    # (same device and torch), else the built-in table.
+    entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
+                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
+                 refine=args.refine, rematch=args.rematch, prior=old, progress=sys.stderr)
+    entry = merge_entry(old, entry)
     written = prof.save_entry(entry, path)
     wins: dict[str, int] = {}
     for m in entry["measurements"]:
@@ -212,6 +215,10 @@ def cmd_tune(args) -> int:
             wins[best] = wins.get(best, 0) + 1
     print(f"wrote {written} (entry {key!r})")
     print("winners: " + ", ".join(f"{n} {k}" for n, k in sorted(wins.items(), key=lambda kv: -kv[1])))
+    r = entry.get("rematched")
+    if r is not None:
+        print(f"rematched {r['points']} points where the winner was not {r['prior']}'s choice "
+              f"({r['rounds']} rounds each); {r['overturned']} overturned")
     s = entry["settings"]
     thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
     print(f"measured sparsity_threshold: {thr}; dense_max_groups: {s['dense_max_groups']}; "
@@ -317,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--refine", type=_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
                    help=f"backends within this fraction of the fastest get --repeat more rounds "
                         f"(default {TIE_MARGIN:g}; 0 disables)")
+    t.add_argument("--no-rematch", dest="rematch", action="store_false",
+                   help="do not retime the points where the winner is not the earlier table's choice")
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("explain", help="print the plan auto follows for one shape, and why")

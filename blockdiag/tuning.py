@@ -378,6 +378,8 @@ def tune(
     max_gflop: float = float("inf"),
     stat: str = "median",
     refine: float = TIE_MARGIN,
+    rematch: bool = True,
+    prior: Optional[dict] = None,
     progress: Optional[TextIO] = None,
 ) -> dict:
     """Measure every runnable backend over ``grid``; returns a profile entry (not saved).
@@ -392,6 +394,14 @@ def tune(
             winner is what ``auto`` runs, and near-ties are where noise picks it.
         max_gflop: points whose forward product exceeds this many GFLOP are not measured
             (the chooser ranks them from the nearest measured points).
+        rematch: where the fastest backend at a point is not the one ``prior`` would
+            choose there, time the two again head to head (see :func:`rematch`) and keep
+            what that says. One tune on a shared machine can record a stalled sample as a
+            40% lead (docs/tuning.md, run L); a second opinion that disagrees is where
+            that costs the most, and only those points pay for the extra rounds.
+        prior: the table whose choices are the second opinion (default: the built-in
+            table for ``device``; none ships for some devices, and then nothing is
+            rematched).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
 
     Returns:
@@ -423,6 +433,13 @@ def tune(
         measurements.append(row)
         best = min(times, key=times.get) if times else "-"
         bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: {best}")
+    if prior is None:
+        prior = _profile.builtin_entry(device, dtype)
+    rematched = (
+        _rematch_all(measurements, prior, device, dtype, rounds, min_time, stat, progress)
+        if rematch and prior is not None
+        else None
+    )
     return {
         "device_name": _profile.device_name(device),
         "device": device,
@@ -434,8 +451,84 @@ def tune(
         "rounds": rounds,
         "allocator_env": allocator_env(),
         "settings": derive_settings(measurements),
+        **({"rematched": rematched} if rematched is not None else {}),
         "measurements": measurements,
     }
+
+
+def prior_choice(m: dict, prior: Optional[dict], dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> Optional[str]:
+    """The backend ``prior`` ranks first at measurement ``m``'s shape, among those ``m`` timed.
+
+    Only the table's times decide (no settings): the question is which of the backends
+    measured here the other table expects to be fastest.
+
+    >>> m = {"mode": "forward", "batch": 8, "groups": 4, "block_in": 2, "block_out": 2,
+    ...      "times_us": {"dense": 1.0, "bmm": 2.0}}
+    >>> prior_choice(m, {"measurements": [dict(m, times_us={"dense": 3.0, "bmm": 2.0})]})
+    'bmm'
+    """
+    from .dispatch import blended_times
+
+    p = Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype, device, m["mode"] == "train")
+    est, _ = blended_times(p, prior)
+    cands = [n for n in m["times_us"] if n in est]
+    return min(cands, key=est.get) if cands else None
+
+
+def _rematch_all(measurements, prior, device, dtype, rounds, min_time, stat, progress) -> dict:
+    disputed = []
+    for m in measurements:
+        if len(m["times_us"]) < 2:
+            continue
+        winner = min(m["times_us"], key=m["times_us"].get)
+        other = prior_choice(m, prior, dtype, device)
+        if other is not None and other != winner:
+            disputed.append((m, winner, other))
+    bar = _Progress(len(disputed), "rematch", progress)
+    overturned = 0
+    for m, winner, other in disputed:
+        p = Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype, device, m["mode"] == "train")
+        kept = rematch(m, p, (winner, other), rounds=REMATCH_ROUNDS_FACTOR * rounds, min_time=min_time, stat=stat)
+        overturned += kept != winner
+        bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: {winner} vs {other} -> {kept}")
+    return {"points": len(disputed), "overturned": overturned,
+            "prior": (prior or {}).get("device_name", "?"), "rounds": REMATCH_ROUNDS_FACTOR * rounds}
+
+
+def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: float = 1e-2,
+            stat: str = "median") -> str:
+    """Time the backends of ``pair`` head to head at ``p``; update ``m`` and return the faster.
+
+    Both backends get fresh inputs and ``rounds`` interleaved rounds; their times in
+    ``m["times_us"]`` are replaced by the new ones (the first pass's stay for the others)
+    and ``m["rematch"]`` records the first pass's times and the outcome. A backend that
+    raises in the rematch keeps its first time.
+
+    Args:
+        m: a measurement row of :func:`tune` (changed in place).
+        p: its problem.
+        pair: the first pass's winner and the challenger.
+        rounds, min_time, stat: see :func:`measure`.
+
+    Returns:
+        the name that is now the faster of the two in ``m``.
+    """
+    x, w, b, gy = _inputs(p)
+    steps = {n: _backend_step(n, x, w, b, gy) for n in pair}
+    times, _ = measure(steps, p.device, rounds, min_time, prune=0.0, stat=stat)
+    before = {n: m["times_us"][n] for n in pair}
+    for n, t in times.items():
+        m["times_us"][n] = round(t * 1e6, 3)
+    kept = min(pair, key=lambda n: m["times_us"][n])
+    m["rematch"] = {"first_us": before, "kept": kept}
+    return kept
+
+
+# A rematch runs this many times tune's rounds: it decides between two backends that the
+# first pass and the other table rank in opposite orders, so it needs more samples than
+# the first pass had, and it times only those two.
+REMATCH_ROUNDS_FACTOR = 2
 
 
 def derive_settings(measurements: Sequence[dict]) -> dict:

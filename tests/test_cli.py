@@ -282,3 +282,75 @@ def test_summary_scores_the_choice_alone():
     # The third row's choice was not timed forced: it is left out, not counted as right.
     assert s["geomean_choice_over_fastest"] == pytest.approx(2 ** 0.5, abs=1e-4) and s["choice_within_1.10"] == 1
     assert s["within_1.10"] == 0  # auto's own 9.0 us against 1.0 us
+
+
+def _scripted_measure(monkeypatch, first, second):
+    """``tuning.measure`` returning ``first`` on the grid pass and ``second`` in rematches."""
+    calls = []
+
+    def fake(steps, device, rounds, min_time, prune=3.0, keep=(), stat="median", refine=0.0):
+        calls.append((sorted(steps), rounds))
+        table = first if len(calls) == 1 else second
+        return {n: table[n] * 1e-6 for n in steps}, {}
+
+    monkeypatch.setattr(tuning, "measure", fake)
+    return calls
+
+
+def _prior(fastest):
+    # A table measured at the tuned shape itself, ranking ``fastest`` first.
+    times = {"loop": 5.0, "bmm": 5.0, fastest: 1.0}
+    return {"device_name": "other machine", "measurements": [
+        {"mode": "forward", "batch": 4, "groups": 2, "block_in": 3, "block_out": 2, "times_us": times}]}
+
+
+TINY_GRID = Grid((4,), (2,), ((3, 2),))
+
+
+@pytest.mark.parametrize("second, kept", [({"loop": 3.0, "bmm": 2.0}, "bmm"), ({"loop": 1.5, "bmm": 2.0}, "loop")],
+                         ids=["overturned", "confirmed"])
+def test_tune_rematches_a_winner_the_prior_table_disputes(monkeypatch, second, kept):
+    calls = _scripted_measure(monkeypatch, {"loop": 1.0, "bmm": 2.0}, second)
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm"], rounds=3, min_time=0.0, prior=_prior("bmm"))
+    (m,) = e["measurements"]
+    # The rematch times exactly the disputed pair, with more rounds than the grid pass.
+    assert calls == [(["bmm", "loop"], 3), (["bmm", "loop"], 3 * tuning.REMATCH_ROUNDS_FACTOR)]
+    assert m["times_us"] == second and min(m["times_us"], key=m["times_us"].get) == kept
+    assert m["rematch"] == {"first_us": {"loop": 1.0, "bmm": 2.0}, "kept": kept}
+    assert e["rematched"] == {"points": 1, "overturned": int(kept == "bmm"), "prior": "other machine",
+                              "rounds": 3 * tuning.REMATCH_ROUNDS_FACTOR}
+
+
+def test_tune_does_not_rematch_where_the_prior_agrees_or_when_told_not_to(monkeypatch):
+    calls = _scripted_measure(monkeypatch, {"loop": 1.0, "bmm": 2.0}, None)
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm"], rounds=3, min_time=0.0, prior=_prior("loop"))
+    assert len(calls) == 1 and e["rematched"]["points"] == 0 and "rematch" not in e["measurements"][0]
+    calls = _scripted_measure(monkeypatch, {"loop": 1.0, "bmm": 2.0}, None)
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm"], rounds=3, min_time=0.0,
+             prior=_prior("bmm"), rematch=False)
+    assert len(calls) == 1 and "rematched" not in e
+
+
+def test_tune_rematch_defaults_to_the_builtin_table(monkeypatch):
+    seen = []
+    monkeypatch.setattr(tuning, "_rematch_all", lambda ms, prior, *a: seen.append(prior) or {"points": 0})
+    tune(TINY_GRID, modes=("forward",), backends=["loop"], rounds=1, min_time=0.0)
+    assert seen == [profile.builtin_entry("cpu", torch.float32)] and seen[0] is not None
+
+
+def test_prior_choice_only_ranks_backends_measured_here():
+    m = {"mode": "forward", "batch": 4, "groups": 2, "block_in": 3, "block_out": 2, "times_us": {"loop": 1.0}}
+    assert tuning.prior_choice(m, _prior("bmm")) == "loop"
+    assert tuning.prior_choice(m, {"measurements": []}) is None
+
+
+def test_tune_cli_rematches_against_the_earlier_profile(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    main(["tune", *TINY, "--mode", "forward", "--profile", str(path)])
+    out = capsys.readouterr().out
+    builtin = profile.builtin_entry("cpu", torch.float32)["device_name"]
+    assert f"winner was not {builtin}'s choice" in out and "overturned" in out
+    main(["tune", *TINY, "--mode", "forward", "--profile", str(path)])
+    assert f"winner was not {profile.device_name('cpu')}'s choice" in capsys.readouterr().out
+    main(["tune", *TINY, "--mode", "forward", "--no-rematch", "--profile", str(path)])
+    assert "rematched " not in capsys.readouterr().out
