@@ -456,6 +456,11 @@ def tune(
     }
 
 
+def _row_problem(m: dict, dtype: torch.dtype, device: str) -> Problem:
+    """The problem a measurement row was timed on."""
+    return Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype, device, m["mode"] == "train")
+
+
 def prior_choice(m: dict, prior: Optional[dict], dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> Optional[str]:
     """The backend ``prior`` ranks first at measurement ``m``'s shape, among those ``m`` timed.
@@ -470,8 +475,7 @@ def prior_choice(m: dict, prior: Optional[dict], dtype: torch.dtype = torch.floa
     """
     from .dispatch import blended_times
 
-    p = Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype, device, m["mode"] == "train")
-    est, _ = blended_times(p, prior)
+    est, _ = blended_times(_row_problem(m, dtype, device), prior)
     cands = [n for n in m["times_us"] if n in est]
     return min(cands, key=est.get) if cands else None
 
@@ -488,7 +492,7 @@ def _rematch_all(measurements, prior, device, dtype, rounds, min_time, stat, pro
     bar = _Progress(len(disputed), "rematch", progress)
     overturned = 0
     for m, winner, other in disputed:
-        p = Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype, device, m["mode"] == "train")
+        p = _row_problem(m, dtype, device)
         kept = rematch(m, p, (winner, other), rounds=REMATCH_ROUNDS_FACTOR * rounds, min_time=min_time, stat=stat)
         overturned += kept != winner
         bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: {winner} vs {other} -> {kept}")
@@ -879,8 +883,7 @@ def cross_check(entry: dict) -> dict:
     for mode in sorted({m["mode"] for m in ms}):
         ratios = []
         for m in (m for m in ms if m["mode"] == mode):
-            p = Problem(m["batch"], m["groups"], m["block_in"], m["block_out"], dtype,
-                        entry.get("device", "cpu"), mode == "train")
+            p = _row_problem(m, dtype, entry.get("device", "cpu"))
             rest = {"measurements": [o for o in ms if o is not m]}
             est, _ = blended_times(p, rest)
             cands = [
