@@ -394,3 +394,22 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
         proc.communicate()
         pytest.fail("a child forked after listing backends and planning hung in torch.bmm")
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize(
+    "out, inp, device, side",
+    [
+        pytest.param(256, 256, "cpu", 256, id="cpu-gcd"),
+        pytest.param(256, 256, "cuda", 64, id="cuda-capped"),
+        pytest.param(96, 96, "cuda", 48, id="cuda-largest-divisor"),
+        pytest.param(128, 64, "cuda", 64, id="cuda-at-cap"),
+        pytest.param(150, 10, "cuda", 10, id="cuda-under-cap"),
+        pytest.param(7, 5, "cuda", 1, id="cuda-coprime"),
+    ],
+)
+def test_bsr_subblock_side(out, inp, device, side):
+    from blockdiag.backends.bsr import CUDA_MAX_SUBBLOCK, subblock_side
+
+    s = subblock_side(out, inp, device)
+    assert s == side and out % s == 0 and inp % s == 0
+    assert device == "cpu" or s <= CUDA_MAX_SUBBLOCK

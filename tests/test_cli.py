@@ -143,6 +143,19 @@ def test_measure_reports_failures_and_prunes():
     assert calls["slow"] == 4
 
 
+def test_measure_records_exceptions_of_any_type():
+    # A kernel library's own error class (Triton's OutOfResources derives from Exception
+    # alone) is one backend's failure, not the end of the tune.
+    class LibraryError(Exception):
+        pass
+
+    def broken():
+        raise LibraryError("out of resource: shared memory")
+
+    times, failed = measure({"ok": lambda: None, "broken": broken}, "cpu", rounds=2, min_time=0.0)
+    assert set(times) == {"ok"} and failed["broken"] == "LibraryError: out of resource: shared memory"
+
+
 def test_a_single_stall_does_not_prune_the_fastest():
     import time as _time
 

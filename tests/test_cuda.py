@@ -157,6 +157,8 @@ def _triton_kernels():
     [
         pytest.param(64, 8, 32, 32, True, id="triton-32"),
         pytest.param(64, 4, 64, 16, True, id="triton-16"),
+        # 256x256 blocks are stored as 64x64 sub-blocks on CUDA (bsr.CUDA_MAX_SUBBLOCK).
+        pytest.param(128, 2, 256, 256, True, id="triton-256-as-64"),
         pytest.param(48, 6, 24, 24, False, id="fallback-block24"),
         pytest.param(40, 8, 16, 16, False, id="fallback-batch40"),
         pytest.param(32, 8, 8, 8, False, id="fallback-block8"),
