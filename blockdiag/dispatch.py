@@ -37,11 +37,14 @@ from .backends._registry import _REGISTRY
 __all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurements", "blended_times"]
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type
-# (CPU: time over the fastest in the built-in table, over both modes; bmm_fm_bmm and
-# bmm_fm_loop only run with autograd, so in forward mode the order starts at bmm_fm).
+# (time over the fastest in the built-in table, over both modes; bmm_fm_bmm and bmm_fm_loop
+# only run with autograd, so in forward mode the order starts at bmm_fm). CUDA: the H200
+# float32 table (bmm_fm_bmm 1.06, bmm_fm 1.09, bmm 1.39, dense 2.13, conv 3.28, bmm_fm_loop
+# 3.55, bsr 4.56, csr 5.11, loop 12.4); grouped_mm, measured only in bfloat16 there, follows
+# bmm, and torch_sparse, not installed there, comes last.
 FALLBACK_ORDER = {
     "cpu": ("simd", "bmm_fm_bmm", "bmm_fm_loop", "bmm_fm", "mkl_batch", "bmm", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
-    "cuda": ("bmm", "grouped_mm", "bmm_fm", "loop", "bmm_fm_loop", "bmm_fm_bmm", "dense", "conv", "bsr", "csr", "torch_sparse"),
+    "cuda": ("bmm_fm_bmm", "bmm_fm", "bmm", "grouped_mm", "dense", "conv", "bmm_fm_loop", "bsr", "csr", "loop", "torch_sparse"),
 }
 
 SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")
