@@ -46,11 +46,14 @@ class BlockDiagonalMask(nn.Module):
         self.register_buffer("mask", BlockLayout(groups, *block_shape).mask(torch.device("cpu")).clone(), persistent=False)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w * self.mask
+        # Selecting, not multiplying: NaN * 0 and inf * 0 are NaN, so one non-finite gradient
+        # entry would turn `original`'s off-diagonal entries NaN for good. ``where``'s
+        # backward passes exact zeros there instead.
+        return torch.where(self.mask, w, 0)
 
     def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
         # Assigning linear.weight = W stores W masked, so `original` never holds stray values.
-        return w * self.mask
+        return torch.where(self.mask, w, 0)
 
     def extra_repr(self) -> str:
         return f"groups={self.groups}, block_shape={self.block_shape}"
@@ -61,7 +64,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     if key in state_dict:
         orig = state_dict.pop(key)
         # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
-        state_dict[prefix + "weight"] = orig * module.parametrizations.weight[0].mask
+        state_dict[prefix + "weight"] = torch.where(module.parametrizations.weight[0].mask, orig, 0)
     return state_dict
 
 

@@ -71,7 +71,9 @@ def default_profile_path() -> Path:
 def device_name(device: str) -> str:
     """A stable name of the device kind (``torch.cuda.get_device_name`` or the CPU model)."""
     if device == "cuda":
-        return torch.cuda.get_device_name()
+        # Without a usable CUDA device (a CPU-only build, no driver) no entry can match:
+        # a name that matches none sends auto to the built-in table instead of a crash.
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (no device)"
     if device == "cpu":
         model = "cpu"
         try:
@@ -109,9 +111,16 @@ def _validate(doc: Any, path: str) -> dict:
             if not (
                 isinstance(m, dict)
                 and m.get("mode") in ("forward", "train")
-                and all(isinstance(m.get(k), int) and m[k] >= 0 for k in ("batch", "groups", "block_in", "block_out"))
+                and all(
+                    isinstance(m.get(k), int) and not isinstance(m[k], bool) and m[k] >= (1 if k == "groups" else 0)
+                    for k in ("batch", "groups", "block_in", "block_out")
+                )
                 and isinstance(m.get("times_us"), dict)
-                and all(isinstance(v, (int, float)) and v > 0 for v in m["times_us"].values())
+                # NaN and infinity would make every ranking that touches them meaningless.
+                and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                    for v in m["times_us"].values()
+                )
             ):
                 raise ValueError(f"entry {key!r} has a malformed measurement {m!r:.120}")
         st = e.get("settings", {})
@@ -138,7 +147,8 @@ def _read(path: str, mtime_ns: int) -> tuple[Optional[dict], Optional[str]]:
     try:
         with open(path) as f:
             return _validate(json.load(f), path), None
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+    # json.JSONDecodeError is a ValueError; a deeply nested document raises RecursionError.
+    except (OSError, ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -266,15 +276,20 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
         the path written.
 
     Raises:
-        BlockDiagError: if the directory cannot be created or written.
+        BlockDiagError: if the entry is malformed (nothing is written, and ``auto`` does not
+            see it), or the directory cannot be created or written.
     """
     p = Path(path or default_profile_path())
     doc, _ = read_profile(p)
-    if doc is None:
-        doc = {"format": FORMAT, "version": VERSION, "entries": {}}
+    # read_profile's document is the cached one that auto reads: merge into a copy, so that
+    # an entry refused below never reaches auto.
+    doc = {"format": FORMAT, "version": VERSION, "entries": {}} if doc is None else {**doc, "entries": dict(doc["entries"])}
     key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
     doc["entries"][key] = entry
-    _validate(doc, str(p))
+    try:
+        _validate(doc, str(p))
+    except ValueError as e:
+        raise BlockDiagError(f"save_entry: refusing to write {p}: {e}") from e
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(p, doc)
@@ -291,8 +306,15 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     temp file is removed and ``path`` is untouched.
     """
     p = Path(path)
+    # mkstemp creates the file 0600; a profile or a results file is not a secret. Keep the
+    # mode of the file replaced, else 0644 (reading the umask is not thread-safe).
+    try:
+        mode = os.stat(p).st_mode & 0o777
+    except OSError:
+        mode = 0o644
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
     try:
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
             f.flush()

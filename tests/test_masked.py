@@ -122,3 +122,24 @@ def test_mask_follows_module_to_device():
     lin = mask_block_diagonal_(nn.Linear(4, 4), 2).to("cuda")
     assert lin.weight.device.type == "cuda"
     assert lin(torch.randn(2, 4, device="cuda")).shape == (2, 4)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_input_does_not_poison_other_blocks(device, bad):
+    # One non-finite input column of block 1 makes that column's gradient non-finite in
+    # every row; off the diagonal it must still be exactly zero, and block 0, which never
+    # reads that column, must keep computing finite outputs afterwards.
+    g = 2
+    lin = mask_block_diagonal_(nn.Linear(4, 6, device=device), g)
+    off = ~block_diag_mask(g, (3, 2), device=device)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(5, 4, device=device)
+    x[0, 3] = bad
+    lin(x).sum().backward()
+    opt.step()
+    orig = lin.parametrizations.weight.original
+    assert bool((orig[off] == 0.0).all()) and bool((lin.weight[off] == 0.0).all())
+    y = lin(torch.randn(2, 4, device=device))
+    assert bool(torch.isfinite(y[:, :3]).all())
+    lin.load_state_dict(lin.state_dict())  # its own checkpoint loads again

@@ -1,6 +1,7 @@
 """Tuning profiles: loading, every failure mode (one warning, then defaults), atomic writes."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -165,3 +166,65 @@ def test_builtin_table_covers_every_registered_backend():
             f"{m['block_in']}x{m['block_out']} has no time for {sorted(missing)}: re-run "
             "`blockdiag tune --full --mode both --max-gflop 20` into blockdiag/_defaults.json"
         )
+
+
+def test_device_name_without_cuda_matches_no_entry(monkeypatch):
+    # A CPU-only build raises inside torch.cuda.get_device_name; auto must fall back instead.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    profile.device_name.cache_clear()
+    try:
+        assert profile.device_name("cuda") == "cuda (no device)"
+    finally:
+        profile.device_name.cache_clear()
+
+
+def test_builtin_table_has_a_cuda_entry():
+    e = profile.builtin_entry("cuda", torch.float32)
+    assert e is not None and e["device"] == "cuda" and e["device_name"] != profile.builtin_entry("cpu", torch.float32)["device_name"]
+    modes = {m["mode"] for m in e["measurements"]}
+    assert modes == {"forward", "train"}
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        pytest.param({"bmm": float("inf")}, "malformed measurement", id="inf-time"),
+        pytest.param({"bmm": float("nan")}, "malformed measurement", id="nan-time"),
+        pytest.param({"bmm": True}, "malformed measurement", id="bool-time"),
+    ],
+)
+def test_save_entry_refuses_bad_times_and_auto_never_sees_them(tmp_path, bad, why):
+    path = tmp_path / "p.json"
+    good = {"device": "cpu", "device_name": "x", "torch": "t", "dtype": "float32",
+            "measurements": [{"mode": "forward", "batch": 8, "groups": 4, "block_in": 4, "block_out": 4, "times_us": {"bmm": 1.0}}]}
+    profile.save_entry(good, path)
+    worse = {**good, "dtype": "float64", "measurements": [{**good["measurements"][0], "times_us": bad}]}
+    with pytest.raises(BlockDiagError, match=f"save_entry: refusing to write {re.escape(str(path))}: .*{why}"):
+        profile.save_entry(worse, path)
+    doc, err = profile.read_profile(path)
+    assert err is None and list(doc["entries"]) == ["x|t|float32"]
+
+
+def test_a_profile_with_zero_groups_or_a_bool_size_is_corrupt(tmp_path):
+    for m in ({"groups": 0}, {"batch": True}):
+        path = tmp_path / f"p{len(m)}{list(m)[0]}.json"
+        meas = {"mode": "forward", "batch": 8, "groups": 4, "block_in": 4, "block_out": 4, "times_us": {"bmm": 1.0}, **m}
+        path.write_text(json.dumps({"format": profile.FORMAT, "version": profile.VERSION, "entries": {"k": {"measurements": [meas]}}}))
+        doc, err = profile.read_profile(path)
+        assert doc is None and "malformed measurement" in err
+
+
+def test_a_deeply_nested_profile_is_corrupt_not_a_crash(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000)
+    doc, err = profile.read_profile(path)
+    assert doc is None and err.startswith("RecursionError")
+
+
+def test_written_files_are_not_private(tmp_path):
+    path = tmp_path / "r.json"
+    profile.write_json_atomic(path, {"a": 1})
+    assert path.stat().st_mode & 0o777 == 0o644
+    path.chmod(0o664)
+    profile.write_json_atomic(path, {"a": 2})
+    assert path.stat().st_mode & 0o777 == 0o664 and json.loads(path.read_text()) == {"a": 2}
