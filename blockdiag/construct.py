@@ -95,21 +95,35 @@ def block_diag_mask(
     """
     check(
         "block_diag_mask",
-        isinstance(groups, int) and groups >= 1,
+        isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
         f"groups must be a positive int, got {groups!r}",
     )
     check(
         "block_diag_mask",
-        len(tuple(block_shape)) == 2 and all(isinstance(v, int) and v >= 1 for v in block_shape),
+        _two_positive_ints(block_shape),
         f"block_shape must be two positive ints (rows, cols), got {block_shape!r}",
     )
     r, c = block_shape
     return BlockLayout(groups, r, c).mask(device).clone()
 
 
-def _sparse_csr(w: torch.Tensor) -> torch.Tensor:
+def _two_positive_ints(v) -> bool:
+    """A pair of positive ints (bools are not sizes)."""
+    return (
+        isinstance(v, (tuple, list, torch.Size))
+        and len(v) == 2
+        and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in v)
+    )
+
+
+def _sparse_csr(w: torch.Tensor, own_indices: bool = False) -> torch.Tensor:
+    # The index tensors are cached per layout and shared by every product of that shape;
+    # a matrix handed to users gets its own copies (own_indices), so editing them in place
+    # cannot corrupt later products.
     lay = _layout_of(w)
     crow, col = lay.csr_indices(w.device)
+    if own_indices:
+        crow, col = crow.clone(), col.clone()
     # Row k of block g holds W[g, k % r, :]: the CSR values are W flattened, no gather needed.
     return torch.sparse_csr_tensor(
         crow, col, w.reshape(-1), lay.shape, check_invariants=False
@@ -124,9 +138,11 @@ def _bsr_values(w: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
     return w.reshape(g, r // p, p, c // q, q).permute(0, 1, 3, 2, 4).reshape(-1, p, q)
 
 
-def _sparse_bsr(w: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+def _sparse_bsr(w: torch.Tensor, blocksize: tuple[int, int], own_indices: bool = False) -> torch.Tensor:
     lay = _layout_of(w)
     crow, col = lay.bsr_indices(blocksize, w.device)
+    if own_indices:  # see _sparse_csr
+        crow, col = crow.clone(), col.clone()
     return torch.sparse_bsr_tensor(
         crow, col, _bsr_values(w, blocksize), lay.shape, check_invariants=False
     )
@@ -152,8 +168,7 @@ def block_diag_csr(blocks: Blocks) -> torch.Tensor:
         BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).
     """
     w = as_blocks("block_diag_csr", blocks)
-    out = _sparse_csr(w.contiguous())
-    return out
+    return _sparse_csr(w.contiguous(), own_indices=True)
 
 
 def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> torch.Tensor:
@@ -177,18 +192,19 @@ def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> 
     """
     w = as_blocks("block_diag_bsr", blocks)
     _, r, c = w.shape
-    bs = (r, c) if blocksize is None else tuple(blocksize)
+    bs = (r, c) if blocksize is None else blocksize
     check(
         "block_diag_bsr",
-        len(bs) == 2 and all(isinstance(v, int) and v >= 1 for v in bs),
+        _two_positive_ints(bs),
         f"blocksize must be two positive ints, got {blocksize!r}",
     )
+    bs = tuple(bs)
     check(
         "block_diag_bsr",
         r % bs[0] == 0 and c % bs[1] == 0,
         f"blocksize={bs} must divide the block shape ({r}, {c})",
     )
-    return _sparse_bsr(w.contiguous(), bs)  # type: ignore[arg-type]
+    return _sparse_bsr(w.contiguous(), bs, own_indices=True)  # type: ignore[arg-type]
 
 
 def block_diag_coo(blocks: Blocks) -> torch.Tensor:

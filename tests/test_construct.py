@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import blockdiag
+import blockdiag.testing
 from blockdiag import (
     BlockDiagError,
     block_diag_bsr,
@@ -168,5 +170,33 @@ def test_to_blocks_names_first_offdiagonal_nonzero(kind):
          "mixed-dtype", "int-blocks", "empty-blocks", "mask-groups", "mask-shape", "bad-layout", "3d-to-scipy"],
 )
 def test_bad_input(call, match):
+    with pytest.raises(BlockDiagError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("build", [blockdiag.block_diag_csr, blockdiag.block_diag_bsr], ids=["csr", "bsr"])
+def test_returned_indices_are_not_the_shared_cache(build):
+    # Editing a returned matrix's indices in place must not reach the backends' products.
+    w = torch.randn(2, 2, 2)
+    x = torch.randn(3, 4)
+    m = build(torch.ones(2, 2, 2))
+    idx = m.col_indices()
+    idx.copy_(idx.flip(0))
+    m.crow_indices().zero_()
+    for name in ("csr", "bsr"):
+        y = blockdiag.grouped_linear(x, w, backend=name)
+        torch.testing.assert_close(y, blockdiag.testing.reference_loop(x, w, None))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        pytest.param(lambda: blockdiag.block_diag_bsr(torch.ones(2, 2, 2), 2), r"block_diag_bsr: blocksize must be two positive ints, got 2", id="bsr-int-blocksize"),
+        pytest.param(lambda: blockdiag.block_diag_bsr(torch.ones(2, 2, 2), (True, 1)), r"got \(True, 1\)", id="bsr-bool-blocksize"),
+        pytest.param(lambda: blockdiag.block_diag_mask(2, 3), r"block_shape must be two positive ints \(rows, cols\), got 3", id="mask-int-shape"),
+        pytest.param(lambda: blockdiag.block_diag_mask(True, (2, 2)), r"groups must be a positive int, got True", id="mask-bool-groups"),
+    ],
+)
+def test_sizes_that_are_not_pairs_of_ints(call, match):
     with pytest.raises(BlockDiagError, match=match):
         call()
