@@ -272,6 +272,35 @@ def test_from_heads_bad_input():
         GroupedMLP(4, [0], 2, heads=3)
 
 
+@pytest.mark.parametrize(
+    "act, match",
+    [
+        pytest.param(lambda: nn.PReLU(), r"heads\[0\]\[1\] is PReLU.*holds parameters or buffers \(weight\)", id="prelu-parameters"),
+        pytest.param(lambda: nn.LayerNorm(3), r"heads\[0\]\[1\] is LayerNorm.*holds parameters or buffers \(weight, bias\)", id="layernorm-parameters"),
+        pytest.param(lambda: nn.LayerNorm(3, elementwise_affine=False), r"heads\[0\]\[1\] is LayerNorm.*not element-wise", id="layernorm-no-affine"),
+        pytest.param(lambda: nn.Softmax(dim=-1), r"heads\[0\]\[1\] is Softmax.*not element-wise.*ReLU, ReLU6", id="softmax"),
+    ],
+)
+def test_from_heads_refuses_activations_it_cannot_group(act, match):
+    # Grouped, these would give silently wrong outputs: one head's parameters for all, or a
+    # row-wise op over [heads, hidden, batch] that mixes heads or runs over the batch.
+    heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), act(), nn.Linear(3, 2)) for _ in range(3))
+    with pytest.raises(BlockDiagError, match=match):
+        GroupedMLP.from_heads(heads)
+    with pytest.raises(BlockDiagError, match=r"activation\(\) after hidden layer 0 is"):
+        GroupedMLP(6, 3, 2, heads=3, activation=act)
+
+
+def test_a_stateless_activation_of_ones_own_is_accepted():
+    class Sin(nn.Module):
+        def forward(self, x):
+            return torch.sin(x)
+
+    heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), Sin(), nn.Linear(3, 2)) for _ in range(3)).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    torch.testing.assert_close(GroupedMLP.from_heads(heads)(x), torch.cat([h(x) for h in heads], -1))
+
+
 # ---------------------------------------------------------------- persistence
 
 
@@ -331,3 +360,15 @@ def test_module_to_device_dtype(device, dtype):
     assert y.device.type == device and y.dtype == dtype
     x = torch.randn(2, 6, device=device, dtype=dtype)
     torch.testing.assert_close(model(x), torch.cat([h(x) for h in model.to_heads()], -1), **tolerances(dtype))
+
+
+@pytest.mark.parametrize("backend", ["auto", "bmm", "loop"])
+def test_grouped_mlp_empty_batch_and_mismatched_input(backend):
+    model = GroupedMLP(6, [4, 3], 2, heads=5, backend=backend)
+    x = torch.randn(0, 6, requires_grad=True)
+    y = model(x)
+    assert y.shape == (0, 10)
+    y.sum().backward()
+    assert x.grad.shape == (0, 6)
+    with pytest.raises(BlockDiagError, match=r"weight has dtype torch.float32 but input has dtype torch.float64"):
+        model(torch.randn(3, 6, dtype=torch.float64))

@@ -14,6 +14,37 @@ from .linear import GroupedLinear
 
 __all__ = ["GroupedMLP"]
 
+# The torch.nn modules that act on each entry alone, with no state: the only ones GroupedMLP
+# can apply to its hidden units, which it holds as [heads, hidden, batch] (feature-major) or
+# [batch, heads * hidden]. A row-wise module (Softmax, LayerNorm) would mix the heads or run
+# over the batch, and a module with parameters (PReLU) would share one head's parameters
+# across all heads. Modules defined outside torch.nn are accepted when they hold no
+# parameters or buffers; that they act element-wise is the caller's promise.
+ELEMENTWISE_ACTIVATIONS = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Hardshrink,
+    nn.Softshrink, nn.Tanhshrink, nn.Softplus, nn.Softsign, nn.LogSigmoid, nn.Threshold,
+    nn.Identity, nn.Dropout, nn.AlphaDropout,
+)
+
+
+def _check_activation(fn: str, act: object, where: str) -> None:
+    check(fn, isinstance(act, nn.Module), f"{where} must be an nn.Module, got {type(act).__name__}")
+    state = [n for n, _ in act.named_parameters()] + [n for n, _ in act.named_buffers()]
+    check(
+        fn,
+        not state,
+        f"{where} is {act!r}, which holds parameters or buffers ({', '.join(state)}); one "
+        "activation module serves every head, so only stateless element-wise activations can be grouped",
+    )
+    check(
+        fn,
+        isinstance(act, ELEMENTWISE_ACTIVATIONS) or not type(act).__module__.startswith("torch.nn"),
+        f"{where} is {act!r}, which is not element-wise; GroupedMLP applies activations to "
+        f"every head's hidden units at once, so only these torch.nn modules can be used: "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE_ACTIVATIONS)} (or a stateless element-wise module of your own)",
+    )
+
 
 class GroupedMLP(nn.Module):
     """``heads`` independent MLPs ``in -> hidden... -> out``, computed together.
@@ -45,7 +76,8 @@ class GroupedMLP(nn.Module):
         out_features: output features of one head.
         heads: number of independent heads.
         activation: a factory (class or callable) of the activation module after each
-            hidden layer.
+            hidden layer: stateless and element-wise (``ELEMENTWISE_ACTIVATIONS`` lists the
+            torch.nn ones accepted).
         bias: learn biases.
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name (settable later).
@@ -53,7 +85,8 @@ class GroupedMLP(nn.Module):
         dtype: factory kwarg, as for ``nn.Linear``.
 
     Raises:
-        BlockDiagError: non-positive sizes, or an unknown backend.
+        BlockDiagError: non-positive sizes, an unknown backend, or an activation that is not
+            stateless and element-wise.
     """
 
     def __init__(
@@ -91,7 +124,10 @@ class GroupedMLP(nn.Module):
             else:
                 layers.append(GroupedLinear(heads * sizes[k], heads * sizes[k + 1], heads, bias, backend=backend, **factory))
         self.layers = nn.ModuleList(layers)
-        self.activations = nn.ModuleList(activation() for _ in hidden)
+        acts = [activation() for _ in hidden]
+        for k, act in enumerate(acts):
+            _check_activation(fn, act, f"activation() after hidden layer {k}")
+        self.activations = nn.ModuleList(acts)
         self.backend = backend
 
     @property
@@ -115,7 +151,16 @@ class GroupedMLP(nn.Module):
             f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}"
             + ("" if self.shared_input else f" (heads={self.heads} x in_features={self.in_features})"),
         )
-        if self._backend in ("auto", "bmm"):
+        w = self.layers[0].weight
+        # The feature-major path has no checks of its own: an empty batch, or an input whose
+        # dtype or device differs from the parameters' (autocast's mixed inputs included),
+        # takes the per-layer path, where GroupedLinear handles it or says what is wrong.
+        if (
+            self._backend in ("auto", "bmm")
+            and x.dtype == w.dtype
+            and x.device == w.device
+            and x.numel() > 0
+        ):
             return self._forward_feature_major(x)
         for k, layer in enumerate(self.layers):
             x = layer(x)
@@ -171,7 +216,8 @@ class GroupedMLP(nn.Module):
             heads: a non-empty sequence (or ``nn.ModuleList``) of ``nn.Sequential`` modules
                 of identical structure: ``Linear``, then any number of (activation, ``Linear``)
                 pairs; all Linear shapes, bias flags, devices and dtypes equal across heads,
-                and the same activation (type and settings) at each position.
+                and the same stateless element-wise activation (type and settings) at each
+                position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
 
@@ -180,8 +226,9 @@ class GroupedMLP(nn.Module):
             ``heads[0]``.
 
         Raises:
-            BlockDiagError: empty input, or heads that differ in structure or shape (the
-                message names the head and the position).
+            BlockDiagError: empty input, heads that differ in structure or shape (the
+                message names the head and the position), or an activation with parameters
+                or one that is not element-wise (PReLU, LayerNorm, Softmax).
         """
         fn = "GroupedMLP.from_heads"
         heads = list(heads)
@@ -224,6 +271,7 @@ class GroupedMLP(nn.Module):
                         f"is on {r.weight.device} {r.weight.dtype}",
                     )
                 else:
+                    _check_activation(fn, m, f"heads[{h}][{k}]")
                     check(
                         fn,
                         repr(m) == repr(r),
