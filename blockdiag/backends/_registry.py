@@ -31,6 +31,22 @@ class Problem:
     device: str = "cpu"
     requires_grad: bool = False
 
+    def __post_init__(self) -> None:
+        # A Problem is the chooser's cache key and every backend's contract: a malformed one
+        # must fail here, naming the field, not deep inside a ranking (groups=0 divided by
+        # zero there) or with a message that reads like a support gap.
+        for name, lo in (("batch", 0), ("groups", 1), ("block_in", 0), ("block_out", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise BlockDiagError(f"Problem: {name} must be an int >= {lo}, got {v!r}")
+        if isinstance(self.device, torch.device):
+            # torch.device("cuda:1") and "cuda" are the same problem: keyed by device type.
+            object.__setattr__(self, "device", self.device.type)
+        if not isinstance(self.device, str):
+            raise BlockDiagError(f"Problem: device must be a device type such as 'cpu', got {self.device!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise BlockDiagError(f"Problem: dtype must be a torch.dtype, got {self.dtype!r}")
+
     @property
     def sparsity(self) -> float:
         """Fraction of the block-diagonal matrix outside the blocks: ``1 - 1/groups``."""

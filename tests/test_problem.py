@@ -1,0 +1,35 @@
+"""``Problem``, the chooser's key and every backend's contract, refuses malformed fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdiag import BlockDiagError, Problem, choose, grouped_linear
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"groups": 0}, r"Problem: groups must be an int >= 1, got 0", id="zero-groups"),
+        pytest.param({"batch": -1}, r"Problem: batch must be an int >= 0, got -1", id="negative-batch"),
+        pytest.param({"block_in": 2.0}, r"Problem: block_in must be an int >= 0, got 2.0", id="float-size"),
+        pytest.param({"block_out": True}, r"Problem: block_out must be an int >= 0, got True", id="bool-size"),
+        pytest.param({"dtype": "float32"}, r"Problem: dtype must be a torch.dtype, got 'float32'", id="dtype-name"),
+        pytest.param({"device": 0}, r"Problem: device must be a device type such as 'cpu', got 0", id="device-index"),
+    ],
+)
+def test_malformed_fields_are_refused(kwargs, match):
+    fields = {"batch": 8, "groups": 4, "block_in": 4, "block_out": 4, **kwargs}
+    with pytest.raises(BlockDiagError, match=match):
+        Problem(**fields)
+
+
+def test_a_torch_device_is_keyed_by_its_type():
+    p = Problem(8, 4, 4, 4, device=torch.device("cpu"))
+    assert p.device == "cpu" and p == Problem(8, 4, 4, 4) and choose(p) is choose(Problem(8, 4, 4, 4))
+
+
+def test_zero_groups_from_the_operands_is_named():
+    with pytest.raises(BlockDiagError, match=r"groups must be an int >= 1, got 0"):
+        grouped_linear(torch.randn(5, 0), torch.randn(0, 2, 3))
