@@ -67,27 +67,40 @@ def default_profile_path() -> Path:
     return Path(base) / "blockdiag" / "profile.json"
 
 
-@functools.lru_cache(maxsize=None)
 def device_name(device: str) -> str:
-    """A stable name of the device kind (``torch.cuda.get_device_name`` or the CPU model)."""
+    """A stable name of the device kind (``torch.cuda.get_device_name`` or the CPU model).
+
+    On CPU the name includes the thread count in force now (``torch.set_num_threads`` moves
+    the crossovers, so a profile measured with 2 threads does not describe 8).
+    """
+    if device == "cpu":
+        return f"{_cpu_model()} ({torch.get_num_threads()} threads)"
+    return _device_name(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_model() -> str:
+    model = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        # Not Linux: the platform's processor string is the best name there is.
+        import platform
+
+        model = platform.processor() or "cpu"
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: str) -> str:
     if device == "cuda":
         # Without a usable CUDA device (a CPU-only build, no driver) no entry can match:
         # a name that matches none sends auto to the built-in table instead of a crash.
         return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (no device)"
-    if device == "cpu":
-        model = "cpu"
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        model = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            # Not Linux: the platform's processor string is the best name there is.
-            import platform
-
-            model = platform.processor() or "cpu"
-        return f"{model} ({torch.get_num_threads()} threads)"
     return device
 
 
@@ -214,7 +227,9 @@ def cached_entry(
     # path arithmetic.
     if env_token is None:
         env_token = (os.environ.get("BLOCKDIAG_PROFILE"), os.environ.get("XDG_CACHE_HOME"))
-    key = (path, env_token, device, dtype)
+    # The CPU entry's key holds the thread count (see device_name), so a set_num_threads
+    # must reach the lookup too.
+    key = (path, env_token, device, dtype, torch.get_num_threads() if device == "cpu" else 0)
     now = time.monotonic()
     hit = _entry_cache.get(key)
     if hit is not None and now - hit[0] < RECHECK_S:

@@ -372,3 +372,11 @@ def test_grouped_mlp_empty_batch_and_mismatched_input(backend):
     assert x.grad.shape == (0, 6)
     with pytest.raises(BlockDiagError, match=r"weight has dtype torch.float32 but input has dtype torch.float64"):
         model(torch.randn(3, 6, dtype=torch.float64))
+
+
+def test_from_linears_refuses_a_bias_in_another_dtype():
+    # The copy into the grouped bias would cast it silently: not a lossless conversion.
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    b.bias.data = b.bias.data.double()
+    with pytest.raises(BlockDiagError, match=r"linears\[1\]\.bias has dtype torch.float64 but linears\[0\]\.weight has dtype torch.float32"):
+        GroupedLinear.from_linears([a, b])

@@ -171,11 +171,11 @@ def test_builtin_table_covers_every_registered_backend():
 def test_device_name_without_cuda_matches_no_entry(monkeypatch):
     # A CPU-only build raises inside torch.cuda.get_device_name; auto must fall back instead.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    profile.device_name.cache_clear()
+    profile._device_name.cache_clear()
     try:
         assert profile.device_name("cuda") == "cuda (no device)"
     finally:
-        profile.device_name.cache_clear()
+        profile._device_name.cache_clear()
 
 
 def test_builtin_table_has_a_cuda_entry():
@@ -228,3 +228,23 @@ def test_written_files_are_not_private(tmp_path):
     path.chmod(0o664)
     profile.write_json_atomic(path, {"a": 2})
     assert path.stat().st_mode & 0o777 == 0o664 and json.loads(path.read_text()) == {"a": 2}
+
+
+def test_the_cpu_entry_follows_the_thread_count(tmp_path, monkeypatch):
+    # A profile tuned with one thread count must not serve another one.
+    threads = torch.get_num_threads()
+    mine = {"device": "cpu", "device_name": profile.device_name("cpu"), "torch": torch.__version__, "dtype": "float32",
+            "measurements": [{"mode": "forward", "batch": 8, "groups": 4, "block_in": 4, "block_out": 4, "times_us": {"bmm": 1.0}}]}
+    path = tmp_path / "p.json"
+    profile.save_entry(mine, path)
+    assert profile.cached_entry("cpu", torch.float32, path)[1].startswith("tuning profile")
+    other = threads + 1
+    try:
+        torch.set_num_threads(other)
+        assert profile.device_name("cpu").endswith(f"({other} threads)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", profile.ProfileWarning)
+            assert not profile.cached_entry("cpu", torch.float32, path)[1].startswith("tuning profile")
+    finally:
+        torch.set_num_threads(threads)
+    assert profile.cached_entry("cpu", torch.float32, path)[1].startswith("tuning profile")

@@ -288,6 +288,9 @@ class GroupedLinear(nn.Module):
                 f"linears[{k}] {'has no' if lin.bias is None else 'has a'} bias, unlike linears[0]",
             )
             check_same_device_dtype(fn, **{"linears[0].weight": first.weight, f"linears[{k}].weight": lin.weight})
+            if lin.bias is not None:
+                # A bias in another dtype would be cast silently by the copy below: not lossless.
+                check_same_device_dtype(fn, **{"linears[0].weight": first.weight, f"linears[{k}].bias": lin.bias})
         g = len(linears)
         o, i = first.weight.shape
         layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,
