@@ -293,7 +293,10 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
             sp.issparse(matrix),
             f"matrix must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
         )
-        coo = matrix.tocoo()
+        # A copy (tocoo may return the caller's own array), with duplicates summed as the
+        # torch path coalesces: +1 and -1 at one place are a zero, not a stray entry.
+        coo = matrix.tocoo(copy=True)
+        coo.sum_duplicates()
         rows = torch.from_numpy(coo.row.astype("int64"))
         cols = torch.from_numpy(coo.col.astype("int64"))
         vals = torch.from_numpy(coo.data)
@@ -318,6 +321,13 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
                 f"({i}, {j}), outside the {groups} diagonal blocks of shape ({r}, {c})"
             )
         return blocks
+    if matrix.layout == torch.sparse_coo:
+        check(
+            fn,
+            matrix.sparse_dim() == 2 and matrix.dense_dim() == 0,
+            f"matrix is a hybrid COO tensor ({matrix.sparse_dim()} sparse and {matrix.dense_dim()} dense "
+            f"dimensions, shape {shape}); only plain 2-D matrices hold blocks",
+        )
     coo = matrix.to_sparse_coo().coalesce() if matrix.layout != torch.sparse_coo else matrix.coalesce()
     rows, cols = coo.indices()
     return _blocks_from_coo(fn, rows, cols, coo.values(), shape, groups)
@@ -361,6 +371,11 @@ def to_scipy(matrix: torch.Tensor):
     fn = "to_scipy"
     check(fn, isinstance(matrix, torch.Tensor), f"matrix must be a tensor, got {type(matrix).__name__}")
     check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+    check(
+        fn,
+        matrix.dtype != torch.bfloat16,
+        "matrix is bfloat16, which numpy and scipy do not have; convert it first (matrix.float())",
+    )
     m = matrix.detach().cpu()
     shape = tuple(m.shape)
     if m.layout == torch.sparse_csr:

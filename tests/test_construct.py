@@ -200,3 +200,24 @@ def test_returned_indices_are_not_the_shared_cache(build):
 def test_sizes_that_are_not_pairs_of_ints(call, match):
     with pytest.raises(BlockDiagError, match=match):
         call()
+
+
+def test_to_blocks_sums_scipy_duplicates_and_leaves_the_input_alone():
+    # +1 and -1 at (0, 3) are a zero outside the blocks, as the torch path (coalesce) says.
+    m = sp.coo_array((np.array([1.0, -1.0, 2.0, 3.0]), (np.array([0, 0, 0, 2]), np.array([3, 3, 0, 3]))), shape=(4, 4))
+    blocks = blockdiag.to_blocks(m, 2)
+    assert blocks.tolist() == [[[2.0, 0.0], [0.0, 0.0]], [[0.0, 3.0], [0.0, 0.0]]]
+    assert m.nnz == 4  # the caller's array is not coalesced in place
+    torch_blocks = blockdiag.to_blocks(torch.sparse_coo_tensor(torch.from_numpy(np.stack([m.row, m.col])), torch.from_numpy(m.data), (4, 4)), 2)
+    torch.testing.assert_close(torch_blocks, blocks)
+
+
+def test_to_blocks_refuses_a_hybrid_coo():
+    h = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 3), (2, 3))
+    with pytest.raises(BlockDiagError, match=r"to_blocks: matrix is a hybrid COO tensor \(1 sparse and 1 dense dimensions, shape \(2, 3\)\)"):
+        blockdiag.to_blocks(h, 1)
+
+
+def test_to_scipy_names_bfloat16():
+    with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is bfloat16, which numpy and scipy do not have"):
+        blockdiag.to_scipy(torch.ones(2, 2, dtype=torch.bfloat16))

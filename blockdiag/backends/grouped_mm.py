@@ -88,6 +88,9 @@ def _probe() -> str | None:
         return f"torch {torch.__version__} has no grouped GEMM (torch._grouped_mm)"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU of compute capability 9.x or 10.x (no CUDA device here)"
+    # Problems (and so plans) are keyed by device type, not index: the capability checked
+    # is the current device's. On a machine mixing GPU generations, name the backend per
+    # device rather than relying on auto for this one.
     return _capability_reason(torch.cuda.current_device())
 
 
