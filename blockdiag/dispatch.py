@@ -175,6 +175,10 @@ def choose(problem: Problem) -> Plan:
 
     Returns:
         a :class:`Plan` (print it for a readable report).
+
+    Raises:
+        BlockDiagError: a malformed problem (see :class:`~blockdiag.backends.Problem`), or
+            one that no backend can run (a dtype none supports, such as an integer type).
     """
     state, entry, source = _state(problem.device, problem.dtype)
     key = (problem, state)

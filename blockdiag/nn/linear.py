@@ -234,11 +234,28 @@ class GroupedLinear(nn.Module):
         >>> layer = GroupedLinear(20, 20, groups=2)
         >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.backends()]
         True
+
+        Args:
+            x: an input this layer would be called on (its shape, dtype, device and whether
+                autograd records decide the plan; it is not computed with).
+
+        Returns:
+            the :class:`Plan`: for ``backend="auto"`` the one :func:`blockdiag.choose`
+            gives, else the named backend with its reason.
+
+        Raises:
+            BlockDiagError: an input the layer cannot run (shape, dtype, device), or a named
+                backend that declines it.
         """
         x, w, b = _autocast(x, self.weight, self.bias)
         return plan_for(self.backend, _problem(type(self).__name__, x, w, b), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., groups * block_in] -> [..., groups * block_out]`` with this layer's backend.
+
+        Raises:
+            BlockDiagError: see :meth:`plan`.
+        """
         x, w, b = _autocast(x, self.weight, self.bias)
         return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
 
@@ -306,6 +323,11 @@ class GroupedLinear(nn.Module):
 
         >>> GroupedLinear(6, 4, groups=2).to_linears()[0]
         Linear(in_features=3, out_features=2, bias=True)
+
+        Returns:
+            an ``nn.ModuleList`` of ``groups`` ``nn.Linear(block_in, block_out)`` on this
+            layer's device and dtype; ``torch.cat([l(x_g) ...], -1)`` over the input's
+            slices equals this layer's output.
         """
         out = nn.ModuleList()
         for g in range(self.groups):

@@ -144,6 +144,11 @@ class GroupedMLP(nn.Module):
             layer.backend = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in] -> [..., heads * out]`` (``[..., heads * in]`` without ``shared_input``).
+
+        Raises:
+            BlockDiagError: an input whose last dimension, dtype or device does not fit.
+        """
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(
             type(self).__name__,
@@ -305,6 +310,10 @@ class GroupedMLP(nn.Module):
 
         >>> len(GroupedMLP(8, 4, 1, heads=3).to_heads())
         3
+
+        Returns:
+            an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear)``
+            (activations deep-copied) on this model's device and dtype.
         """
         sizes = [self.in_features, *self.hidden_features, self.out_features]
         out = nn.ModuleList()
