@@ -155,6 +155,22 @@ def _grid(args, default: str):
     return Grid(args.batch or base.batch, args.groups or base.groups, args.blocks or base.blocks)
 
 
+def _check_output(option: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written before the measuring, not after it."""
+    if path is None:
+        return
+    import os
+    from pathlib import Path
+
+    from ._errors import BlockDiagError
+
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise BlockDiagError(f"{option}: the directory {parent} of {path!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise BlockDiagError(f"{option}: the directory {parent} of {path!r} is not writable")
+
+
 def _check_backends(names_: Sequence[str] | None) -> None:
     from .backends import get
 
@@ -190,6 +206,7 @@ def cmd_tune(args) -> int:
     from .tuning import cross_check, merge_entry, plot_decision_map, tune
 
     _check_backends(args.backends)
+    _check_output("--plot", args.plot)
     grid = _grid(args, "quick")
     modes = _modes(args)
     print(
@@ -261,6 +278,7 @@ def cmd_bench(args) -> int:
     from .tuning import allocator_env, bench, summarize
 
     _check_backends(args.backends)
+    _check_output("--json", args.json)
     grid = _grid(args, "targets")
     modes = _modes(args)
     ctx = config(profile=args.profile) if args.profile else contextlib.nullcontext()

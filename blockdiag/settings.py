@@ -67,16 +67,36 @@ _local = _Local()
 _global_key: tuple = ()
 
 
+_KIND = {float: "a float", int: "an int", str: "a path (str or os.PathLike)"}
+
+
+def _exact(typ: type, value: Any) -> bool:
+    """Whether a non-string ``value`` is a ``typ`` without losing anything in the conversion."""
+    if isinstance(value, bool):
+        return False
+    if typ is float:
+        return isinstance(value, (int, float))
+    if typ is int:
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, os.PathLike)
+
+
 def _validate(name: str, value: Any, source: str) -> Any:
     if name not in _ENV:
         raise BlockDiagError(f"config: unknown setting {name!r}; valid settings are {', '.join(_FIELDS)}")
     if value is None and name == "profile":
         return None
     typ = _ENV[name][1]
+    if not isinstance(value, str) and not _exact(typ, value):
+        # Strings are parsed (the environment's are), other values must already be what
+        # they mean: True is not a threshold, 2.7 is not a group count, 5 is not a path.
+        raise BlockDiagError(f"{source}: {name} must be {_KIND[typ]}, got {value!r}")
+    if name == "profile" and isinstance(value, os.PathLike):
+        value = os.fspath(value)
     try:
         v = typ(value)
     except (TypeError, ValueError):
-        raise BlockDiagError(f"{source}: {name} must be a {typ.__name__}, got {value!r}") from None
+        raise BlockDiagError(f"{source}: {name} must be {_KIND[typ]}, got {value!r}") from None
     if name == "sparsity_threshold" and not 0.0 <= v <= 1.0:
         raise BlockDiagError(f"{source}: sparsity_threshold must lie in [0, 1], got {v!r}")
     if name in ("dense_max_groups", "dense_max_elements") and v < 0:
@@ -220,5 +240,8 @@ def get_settings() -> Settings:
     >>> import blockdiag
     >>> blockdiag.get_settings().dense_max_groups >= 0
     True
+
+    Returns:
+        a :class:`Settings` with each field's value from the first source that sets it.
     """
     return Settings(**{k: resolve(k)[0] for k in _FIELDS})

@@ -1,14 +1,21 @@
 """Every registered backend against the plain references, on every device and dtype it declares.
 
 The parameter grid is read from the registry at collection time, so a backend registered later
-is covered without editing this file. A combination a backend declares unsupported is not
-skipped: the test asserts that asking for it raises :class:`BlockDiagError` with the reason.
+is run without editing this file. Which combinations a backend must refuse is written out here
+(:func:`_expected_refusal`), not read back from the backend's own ``decline_reason()``: a
+combination the table refuses must be refused with a matching reason (and asking for it must
+raise :class:`BlockDiagError` with that reason), and every other one must run and match the
+references. A backend that gains a constraint therefore needs a row here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +30,7 @@ from hypothesis import strategies as st
 
 import blockdiag
 from blockdiag import BlockDiagError, Problem, grouped_linear
-from blockdiag.backends import get, names
+from blockdiag.backends import _registry, get, names
 from blockdiag.testing import reference_loop, reference_scipy, tolerances
 
 from _params import CUDA, CUDA_MARKS
@@ -69,16 +76,91 @@ def _problem(lead, g, i, o, dtype, device, grad):
     return Problem(n, g, i, o, dtype, device, grad)
 
 
-def _expect_decline(name, lead, g, i, o, dtype, device, grad):
-    """Return True (after checking the error) when ``name`` declares it cannot run this case."""
-    why = get(name).decline_reason(_problem(lead, g, i, o, dtype, device, grad))
-    if why is None:
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# The device types each backend is expected not to run on at all.
+NOT_ON_DEVICE = {"cpu": {"grouped_mm"}, "cuda": {"mkl_batch", "simd"}}
+# Backends expected to refuse float32 and float64 on a device (grouped_mm: bfloat16 only).
+NO_F32_F64 = {"cuda": {"grouped_mm"}}
+
+
+def _dt(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _expected_refusal(name, p):
+    """The regex the reason must fully match when ``name`` is expected to refuse ``p``, or None.
+
+    Written out, not taken from the backend: float32/float64 run everywhere a backend runs
+    except where listed above, and the shape rules are listed one by one. Only what depends
+    on the installation follows it: a backend that cannot run here at all, and torch-sparse
+    built without CUDA. Half precision follows the declared dtypes (each declared one is
+    then run against the float64 reference).
+    """
+    if name in NOT_ON_DEVICE[p.device]:
+        return rf"does not run on {p.device} \(runs on [a-z, ]+\)"
+    why = get(name).unavailable_reason()
+    if why:
+        return rf"unavailable: {re.escape(why)}"
+    if (p.dtype in LOW_PRECISION and p.dtype not in get(name).dtypes.get(p.device, ())) or (
+        p.dtype not in LOW_PRECISION and name in NO_F32_F64.get(p.device, ())
+    ):
+        return rf"does not support {_dt(p.dtype)} on {p.device} \(supports [a-z0-9, ]+\)"
+    if name == "conv" and p.batch == 0:
+        return r"conv1d rejects an empty batch"
+    if name == "bsr" and p.device == "cuda" and math.gcd(p.block_in, p.block_out) == 1:
+        return (rf"block {p.block_in}x{p.block_out} \(in x out\) has coprime sides, so its square sub-blocks "
+                r"are 1x1, which torch's CUDA BSR product rejects \(use 'csr'\)")
+    if name == "torch_sparse" and p.device == "cuda":
+        from blockdiag.backends.torch_sparse import _built_with_cuda
+
+        if not _built_with_cuda():
+            return r"torch-sparse was built without CUDA \(.*\)"
+    return None
+
+
+def _check_refusal(name, p):
+    """Assert that ``decline_reason`` agrees with the table; return whether ``p`` is refused."""
+    want = _expected_refusal(name, p)
+    why = get(name).decline_reason(p)
+    if want is None:
+        assert why is None, f"{name} refuses {p.describe()}, which it must run: {why}"
         return False
+    assert why is not None and re.fullmatch(want, why), (
+        f"{name} on {p.describe()}: expected a refusal matching {want!r}, got {why!r}")
+    return True
+
+
+def _expect_decline(name, lead, g, i, o, dtype, device, grad):
+    """Return True (after checking the error) when the table says ``name`` refuses this case.
+
+    Otherwise return False, having checked that the backend does not refuse it either.
+    """
+    p = _problem(lead, g, i, o, dtype, device, grad)
+    if not _check_refusal(name, p):
+        return False
+    why = get(name).decline_reason(p)
     x, w, b = _inputs(lead, g, i, o, dtype, device)
-    with pytest.raises(BlockDiagError, match=name):
+    message = rf"^grouped_linear: backend {re.escape(repr(name))} cannot run .*: {re.escape(why)}$"
+    with pytest.raises(BlockDiagError, match=message):
         with torch.set_grad_enabled(grad):
             grouped_linear(x if grad else x.detach(), w if grad else w.detach(), b if grad else None, backend=name)
     return True
+
+
+@contextlib.contextmanager
+def _spy():
+    """Record which backends run (each registered kernel wrapped), for the ``with`` block."""
+    ran = []
+    with pytest.MonkeyPatch.context() as m:
+        for n in names():
+            b = get(n)
+
+            def fn(x, w, bias, _inner=b.fn, _name=n):
+                ran.append(_name)
+                return _inner(x, w, bias)
+
+            m.setitem(_registry._REGISTRY, n, dataclasses.replace(b, fn=fn))
+        yield ran
 
 
 def _scipy_grads(x, w, r):
@@ -119,6 +201,87 @@ def test_forward_backward_matches_references(name, device, dtype, lead, g, i, o)
         torch.testing.assert_close(got, want, **tol)
     for got, want in zip((gx, gw, gb), _scipy_grads(x, w, r)):
         torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+CPU_GRID_DTYPES = (torch.float32, torch.float64) + LOW_PRECISION
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cpu_refusals_are_exactly_the_table(name):
+    """Every case of the CPU grid, available here or not: refused exactly where the table says."""
+    for lead, g, i, o in (s.values for s in SHAPES):
+        for dtype in CPU_GRID_DTYPES:
+            for grad in (False, True):
+                _check_refusal(name, _problem(lead, g, i, o, dtype, "cpu", grad))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_cpu_backend_runs_cases_against_the_reference(name):
+    """Each backend that runs on CPU here computes the grid's cases it must run, in float64."""
+    if name in NOT_ON_DEVICE["cpu"]:
+        pytest.skip(f"{name} is not expected to run on CPU")
+    _available(name)
+    ran = 0
+    for lead, g, i, o in (s.values for s in SHAPES):
+        if _expect_decline(name, lead, g, i, o, torch.float64, "cpu", True):
+            continue
+        x, w, b = _inputs(lead, g, i, o, torch.float64, "cpu")
+        with _spy() as calls:
+            y = grouped_linear(x, w, b, backend=name)
+        assert calls == [name]
+        xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        yr = reference_loop(xr, wr, br)
+        torch.testing.assert_close(y, yr)
+        r = torch.randn_like(y)
+        for got, want in zip(torch.autograd.grad((y * r).sum(), (x, w, b)),
+                             torch.autograd.grad((yr * r).sum(), (xr, wr, br))):
+            torch.testing.assert_close(got, want)
+        ran += 1
+    # conv alone refuses one shape (the empty batch); every other backend runs them all
+    assert ran == len(SHAPES) - (name == "conv")
+
+
+# Every (backend, half dtype) that a backend declares on CPU, read from the registry.
+HALF_CPU = [
+    pytest.param(n, dt, id=f"{n}-{_dt(dt)}")
+    for n in names()
+    for dt in LOW_PRECISION
+    if dt in get(n).dtypes.get("cpu", ())
+]
+
+
+def _scaled_inputs(lead, g, i, o, dtype):
+    # nn.Linear-like scales keep outputs O(1), so low-precision tolerances stay meaningful
+    # (as in test_cuda.py); rounded to ``dtype`` first, so the float64 reference sees the
+    # same values.
+    x = torch.randn(*lead, g * i).to(dtype).requires_grad_()
+    w = ((torch.rand(g, o, i) * 2 - 1) / math.sqrt(i)).to(dtype).requires_grad_()
+    b = (torch.rand(g * o) * 0.2 - 0.1).to(dtype).requires_grad_()
+    return x, w, b
+
+
+@pytest.mark.parametrize("lead, g, i, o", SHAPES)
+@pytest.mark.parametrize("name, dtype", HALF_CPU)
+def test_half_precision_on_cpu_matches_float64_reference(name, dtype, lead, g, i, o):
+    _available(name)
+    if _expect_decline(name, lead, g, i, o, dtype, "cpu", True):
+        return
+    n = int(np.prod(lead)) if lead else 1
+    x, w, b = _scaled_inputs(lead, g, i, o, dtype)
+    y = grouped_linear(x, w, b, backend=name)
+    assert y.dtype == dtype and y.shape == (*lead, g * o)
+
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    yd = reference_loop(xd, wd, bd)
+    torch.testing.assert_close(y.double(), yd, **tolerances(dtype, i))
+
+    r = torch.randn(y.shape).to(dtype)
+    got = torch.autograd.grad((y * r).sum(), (x, w, b))
+    want = torch.autograd.grad((yd * r.double()).sum(), (xd, wd, bd))
+    for a, e in zip(got, want):
+        assert a.dtype == dtype and a.layout == torch.strided and a.shape == e.shape
+        mag = float(e.abs().max()) if e.numel() else 1.0
+        torch.testing.assert_close(a.double(), e, **tolerances(dtype, max(n, i, o), mag))
 
 
 @pytest.mark.parametrize("grad_kind", ["expanded", "transposed"])
@@ -166,8 +329,8 @@ def test_weight_only_grad(name):
     x = torch.randn(8, 12, dtype=torch.float64)
     w = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    if get(name).decline_reason(Problem(8, 3, 4, 2, torch.float64, "cpu", True)):
-        pytest.skip(f"{name} declines training")
+    if _check_refusal(name, Problem(8, 3, 4, 2, torch.float64, "cpu", True)):
+        pytest.skip(f"{name} is expected to decline this case on CPU")
     gw, gb = torch.autograd.grad(grouped_linear(x, w, b, backend=name).square().sum(), (w, b))
     rw, rb = torch.autograd.grad(reference_loop(x, w, b).square().sum(), (w, b))
     torch.testing.assert_close(gw, rw)
@@ -232,10 +395,23 @@ def test_hypothesis_shapes(name, n, g, i, o, grad, bias):
 def test_auto_never_picks_a_failing_backend(n, g, i, o, grad, dtype):
     x = torch.randn(n, g * i, dtype=dtype, requires_grad=grad)
     w = torch.randn(g, o, i, dtype=dtype, requires_grad=grad)
-    plan = blockdiag.GroupedLinear(g * i, g * o, g, dtype=dtype).plan(x)
-    assert get(plan.backend).decline_reason(Problem(n, g, i, o, dtype, "cpu", grad)) is None
-    y = grouped_linear(x, w, None)
-    torch.testing.assert_close(y, reference_loop(x, w, None), **tolerances(dtype, i))
+    # The problem of the call below: no bias, autograd recording exactly when grad is set.
+    p = Problem(n, g, i, o, dtype, "cpu", grad)
+    chosen = blockdiag.choose(p).backend
+    assert not _check_refusal(chosen, p), f"auto chose {chosen!r}, which must refuse {p.describe()}"
+    with _spy() as ran:
+        y = grouped_linear(x, w, None)
+    assert ran == [chosen], f"planned {chosen!r} for {p.describe()}, ran {ran}"
+    xr, wr = (t.detach().clone().requires_grad_(grad) for t in (x, w))
+    yr = reference_loop(xr, wr, None)
+    torch.testing.assert_close(y, yr, **tolerances(dtype, i))
+    assert y.requires_grad == grad
+    if grad:
+        r = torch.randn_like(y)
+        got = torch.autograd.grad((y * r).sum(), (x, w))
+        want = torch.autograd.grad((yr * r).sum(), (xr, wr))
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, **tolerances(dtype, max(n, i, o)))
 
 
 def test_registry_lists_every_backend_with_availability():

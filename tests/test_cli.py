@@ -80,11 +80,21 @@ def test_bench_json(tmp_path, capsys, monkeypatch):
     assert len(doc["rows"]) == 4
     for r in doc["rows"]:
         assert r["auto"] in names() and r["auto"] not in r["skipped"]
-        assert r["auto_over_fastest"] > 0 and 0 < r["fraction_of_ideal"]
+        # The derived columns follow from the recorded times (each rounded on its own).
+        assert r["times_us"][r["fastest"]] == min(r["times_us"].values())
+        # (ratios are rounded to 4 decimals, times to 1 ns)
+        fastest_us = r["times_us"][r["fastest"]]
+        assert r["auto_over_fastest"] == pytest.approx(r["auto_us"] / fastest_us, rel=2e-3, abs=1e-4)
+        assert r["fraction_of_ideal"] == pytest.approx(r["ideal_us"] / r["auto_us"], rel=2e-3, abs=1e-4)
         assert set(r["baselines_us"]) == {"nn_linear_loop", "vmap"}
         assert set(r["peak_bytes"]) == set(r["times_us"]) and all(v > 0 for v in r["peak_bytes"].values())
-    s = doc["summary"]["train"]
-    assert s["points"] == 2 and "geomean_speedup_vs_vmap" in s
+    for mode, s in doc["summary"].items():
+        ratios = [r["auto_over_fastest"] for r in doc["rows"] if r["mode"] == mode]
+        assert s["points"] == len(ratios) == 2
+        assert s["within_1.10"] == sum(x <= 1.10 for x in ratios)
+        assert s["max_auto_over_fastest"] == max(ratios)
+        assert s["geomean_auto_over_fastest"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5, abs=1e-4)
+    assert "geomean_speedup_vs_vmap" in doc["summary"]["train"]
     # The allocator settings in force are recorded with the times they affect.
     assert doc["allocator_env"]["GLIBC_TUNABLES"] == "glibc.malloc.mmap_max=0"
     assert "LD_PRELOAD" not in doc["allocator_env"]
@@ -96,22 +106,31 @@ def test_bench_skips_huge_points_and_says_so(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv",
+    "argv, message",
     [
-        ["explain", "--batch", "4", "--groups", "2", "--block", "10"],
-        ["explain", "--batch", "0", "--groups", "2", "--block", "3x2"],
-        ["bench", "--dtype", "float99"],
-        ["tune", "--quick", "--full"],
-        ["tune", "--blocks", "3x0"],
-        ["bench", "--mode", "sideways"],
+        (["explain", "--batch", "4", "--groups", "2", "--block", "10"],
+         "blockdiag explain: error: argument --block: a block is IN x OUT such as 150x10, got '10'"),
+        (["explain", "--batch", "0", "--groups", "2", "--block", "3x2"],
+         "blockdiag explain: error: argument --batch: must be a positive int, got 0"),
+        (["bench", "--dtype", "float99"],
+         "blockdiag bench: error: argument --dtype: unknown dtype 'float99' "
+         "(e.g. float32, float64, bfloat16)"),
+        (["tune", "--quick", "--full"],
+         "blockdiag tune: error: argument --full: not allowed with argument --quick"),
+        (["tune", "--blocks", "3x0"],
+         "blockdiag tune: error: argument --blocks: block sizes must be positive, got '3x0'"),
+        # argparse words the list of choices differently across Python versions
+        (["bench", "--mode", "sideways"],
+         "blockdiag bench: error: argument --mode: invalid choice: 'sideways'"),
     ],
     ids=["block-not-AxB", "batch-zero", "dtype", "quick-and-full", "zero-block", "mode"],
 )
-def test_bad_arguments_exit_2(argv, capsys):
+def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("cmd", ["bench", "tune"])
@@ -236,9 +255,21 @@ def test_bench_api_and_summary():
     rows = bench(Grid((4,), (2,), ((3, 2),)), modes=("train",), rounds=1, min_time=0.0, baselines=False,
                  memory=False, backends=["loop", "bmm"])
     (r,) = rows
-    assert set(r["times_us"]) == {"loop", "bmm"} and r["fastest"] in ("loop", "bmm")
+    assert set(r["times_us"]) == {"loop", "bmm"}
+    assert r["times_us"][r["fastest"]] == min(r["times_us"].values())
+    fastest_us = r["times_us"][r["fastest"]]
+    assert r["auto_over_fastest"] == pytest.approx(r["auto_us"] / fastest_us, rel=2e-3, abs=1e-4)
     s = summarize(rows)["train"]
-    assert s["points"] == 1 and s["within_1.10"] in (0, 1)
+    assert s["points"] == 1 and s["within_1.10"] == int(r["auto_over_fastest"] <= 1.10)
+    assert s["max_auto_over_fastest"] == s["geomean_auto_over_fastest"] == r["auto_over_fastest"]
+    # The choice alone (the chosen backend's forced time over the fastest's), scored only
+    # where the choice was one of the backends timed.
+    if r["auto"] in r["times_us"]:
+        chosen = r["times_us"][r["auto"]] / r["times_us"][r["fastest"]]
+        assert s["geomean_choice_over_fastest"] == pytest.approx(chosen, abs=1e-4)
+        assert s["choice_within_1.10"] == int(chosen <= 1.10)
+    else:
+        assert "geomean_choice_over_fastest" not in s and "choice_within_1.10" not in s
 
 
 def test_python_dash_m_entry_point():
@@ -367,3 +398,18 @@ def test_tune_cli_rematches_against_the_earlier_profile(tmp_path, capsys):
     assert f"winner was not {profile.device_name('cpu')}'s choice" in capsys.readouterr().out
     main(["tune", *TINY, "--mode", "forward", "--no-rematch", "--profile", str(path)])
     assert "rematched " not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "cmd, option, ext",
+    [pytest.param("bench", "--json", "json", id="bench-json"), pytest.param("tune", "--plot", "png", id="tune-plot")],
+)
+def test_an_unwritable_output_is_refused_before_measuring(cmd, option, ext, tmp_path, capsys, monkeypatch):
+    # Found after the whole run, a bad path would lose every measurement.
+    from blockdiag import tuning
+
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured before checking the output"))
+    missing = tmp_path / "no" / f"out.{ext}"
+    assert main([cmd, *TINY, option, str(missing), "--profile", str(tmp_path / "p.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"blockdiag {cmd}: error: {option}: the directory {missing.parent} of {str(missing)!r} does not exist" in err

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from blockdiag import BlockDiagError, Problem, choose, profile
 from blockdiag.backends import Backend, _registry, names
 from blockdiag.backends._registry import FLOATS
 from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurements, plan_for
+from blockdiag.testing import reference_loop, tolerances
 
 from _profiles import entry, point, write
 
@@ -242,13 +244,33 @@ def test_new_profile_is_seen_at_once(prof):
     assert choose(Problem(256, 50, 10, 10)).backend == "bmm"
 
 
-@pytest.mark.parametrize("device", ["cpu"])
-def test_every_registered_backend_can_be_planned(device):
-    for name in names():
-        b = _registry.get(name)
-        p = Problem(8, 4, 16, 16, torch.float32, device)
-        if b.decline_reason(p) is None:
-            assert plan_for(name, p).backend == name
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "train"])
+@pytest.mark.parametrize("name", names())
+def test_every_registered_backend_runs_when_named(spy, name, grad):
+    # Named explicitly, a backend is the one that runs (not the chooser's pick, nor a
+    # backend with the same forward), and it computes the product; one that refuses the
+    # problem says why instead.
+    p = Problem(8, 4, 16, 16, torch.float32, "cpu", grad)
+    why = _registry.get(name).decline_reason(p)
+    if why is not None:
+        assert _registry.get(name).unavailable_reason() is not None or "does not run on cpu" in why, why
+        with pytest.raises(BlockDiagError, match=re.escape(why)):
+            plan_for(name, p)
+        return
+    x = torch.randn(8, 64, requires_grad=grad)
+    w = torch.randn(4, 16, 16, requires_grad=grad)
+    b = torch.randn(64, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        y = blockdiag.grouped_linear(x, w, b, backend=name)
+    assert spy == [name]
+    xr, wr, br = (t.detach().clone().requires_grad_(grad) for t in (x, w, b))
+    yr = reference_loop(xr, wr, br)
+    torch.testing.assert_close(y, yr, **tolerances(torch.float32, 16))
+    if grad:
+        r = torch.randn_like(y)
+        for a, e in zip(torch.autograd.grad((y * r).sum(), (x, w, b)),
+                        torch.autograd.grad((yr * r).sum(), (xr, wr, br))):
+            torch.testing.assert_close(a, e, **tolerances(torch.float32, 16))
 
 
 def test_plan_for_rejects_unknown_and_declining(fake_backend):
@@ -361,11 +383,14 @@ def test_forward_duplicate_is_ranked_only_in_training(prof):
     assert choose(Problem(256, 50, 10, 10, requires_grad=True)).backend == "bmm_fm_loop"
 
 
-def test_forward_duplicate_forced_by_name_still_runs():
-    x, w, b = torch.randn(8, 12), torch.randn(3, 2, 4), torch.randn(6)
+def test_forward_duplicate_forced_by_name_still_runs(spy):
+    # Without autograd bmm_fm_loop is bmm_fm's forward, but named, it is what runs.
+    x, w, b = torch.randn(8, 12), torch.randn(3, 2, 4, requires_grad=True), torch.randn(6)
     with torch.no_grad():
         y = blockdiag.grouped_linear(x, w, b, backend="bmm_fm_loop")
-    torch.testing.assert_close(y, blockdiag.grouped_linear(x, w, b, backend="bmm_fm"))
+    assert spy == ["bmm_fm_loop"]
+    assert not y.requires_grad
+    torch.testing.assert_close(y, reference_loop(x, w.detach(), b))
 
 
 def test_tune_skips_a_forward_duplicate_in_forward_mode():

@@ -1,6 +1,7 @@
 """Settings: validation, precedence (config > set_* > env > profile > default), scoping."""
 
 import os
+import re
 import threading
 
 import pytest
@@ -16,11 +17,17 @@ def _reset_globals():
     blockdiag.set_config(sparsity_threshold=None, dense_max_groups=None, dense_max_elements=None)
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, "abc"])
-def test_threshold_out_of_range_names_the_value(bad):
-    with pytest.raises(BlockDiagError, match="sparsity_threshold must"):
+@pytest.mark.parametrize(
+    "bad, rule",
+    [(-0.1, r"must lie in \[0, 1\]"), (1.5, r"must lie in \[0, 1\]"), ("abc", r"must be a float")],
+    ids=["negative", "above-one", "not-a-number"],
+)
+def test_threshold_out_of_range_names_the_value(bad, rule):
+    # The whole message: who raised it, the setting, the rule broken and the value given.
+    value = re.escape(repr(bad))
+    with pytest.raises(BlockDiagError, match=rf"^set_config: sparsity_threshold {rule}, got {value}$"):
         blockdiag.set_sparsity_threshold(bad)
-    with pytest.raises(BlockDiagError, match="sparsity_threshold"):
+    with pytest.raises(BlockDiagError, match=rf"^config: sparsity_threshold {rule}, got {value}$"):
         with blockdiag.config(sparsity_threshold=bad):
             pass
 
@@ -101,3 +108,29 @@ def test_token_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var
     after = st.token()
     assert before != after
     assert [None if v is None else os.fsdecode(v) for v in after[2:]] == [os.environ.get(v) for v in st._TOKEN_VARS]
+
+
+@pytest.mark.parametrize(
+    "name, value, kind",
+    [
+        pytest.param("sparsity_threshold", True, "a float", id="bool-threshold"),
+        pytest.param("dense_max_groups", 2.7, "an int", id="fractional-groups"),
+        pytest.param("dense_max_elements", False, "an int", id="bool-elements"),
+        pytest.param("profile", 5, r"a path \(str or os.PathLike\)", id="int-profile"),
+    ],
+)
+def test_values_are_not_coerced(name, value, kind):
+    # True is not a threshold, 2.7 is not a group count, 5 is not a path.
+    before = blockdiag.get_settings()
+    with pytest.raises(BlockDiagError, match=rf"set_config: {name} must be {kind}, got {re.escape(repr(value))}"):
+        blockdiag.set_config(**{name: value})
+    assert blockdiag.get_settings() == before
+
+
+def test_exact_values_and_paths_are_accepted(tmp_path):
+    try:
+        blockdiag.set_config(dense_max_groups=4.0, profile=tmp_path / "p.json", sparsity_threshold=1)
+        s = blockdiag.get_settings()
+        assert (s.dense_max_groups, s.profile, s.sparsity_threshold) == (4, str(tmp_path / "p.json"), 1.0)
+    finally:
+        blockdiag.set_config(dense_max_groups=None, profile=None, sparsity_threshold=None)
