@@ -208,7 +208,7 @@ def test_to_blocks_sums_scipy_duplicates_and_leaves_the_input_alone():
     blocks = blockdiag.to_blocks(m, 2)
     assert blocks.tolist() == [[[2.0, 0.0], [0.0, 0.0]], [[0.0, 3.0], [0.0, 0.0]]]
     assert m.nnz == 4  # the caller's array is not coalesced in place
-    torch_blocks = blockdiag.to_blocks(torch.sparse_coo_tensor(torch.from_numpy(np.stack([m.row, m.col])), torch.from_numpy(m.data), (4, 4)), 2)
+    torch_blocks = blockdiag.to_blocks(torch.sparse_coo_tensor(torch.from_numpy(np.stack([m.row, m.col])), torch.from_numpy(m.data), (4, 4), check_invariants=True), 2)
     torch.testing.assert_close(torch_blocks, blocks)
 
 
