@@ -213,7 +213,7 @@ def test_to_blocks_sums_scipy_duplicates_and_leaves_the_input_alone():
 
 
 def test_to_blocks_refuses_a_hybrid_coo():
-    h = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 3), (2, 3))
+    h = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 3), (2, 3), check_invariants=True)
     with pytest.raises(BlockDiagError, match=r"to_blocks: matrix is a hybrid COO tensor \(1 sparse and 1 dense dimensions, shape \(2, 3\)\)"):
         blockdiag.to_blocks(h, 1)
 
