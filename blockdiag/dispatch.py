@@ -107,6 +107,8 @@ class Plan:
             were blended from: ``(batch, groups, block_in, block_out, weight, fastest)``,
             ``weight`` the share in the blend and ``fastest`` the fastest runnable backend
             measured there; empty at a measured shape.
+        measured_on: the device name and torch version of the table's entry (the
+            built-in table holds entries of several machines), or empty.
     """
 
     backend: str
@@ -116,13 +118,15 @@ class Plan:
     candidates: tuple[Candidate, ...] = ()
     settings: tuple[tuple[str, object, str], ...] = ()
     neighbours: tuple[tuple[int, int, int, int, float, str], ...] = ()
+    measured_on: str = ""
 
     def __str__(self) -> str:
+        on = f" (measured on {self.measured_on})" if self.measured_on else ""
         lines = [
             f"Plan for {self.problem.describe()}",
             f"  backend: {self.backend}",
             f"  reason:  {self.reason}",
-            f"  table:   {self.source}",
+            f"  table:   {self.source}{on}",
         ]
         if self.settings:
             lines.append("  settings: " + "; ".join(f"{k}={v!r} ({src})" for k, v, src in self.settings))
@@ -334,7 +338,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
             )
             for d, m in used
         )
-    return Plan(best, p, reason, source, tuple(cands), settings, neighbours)
+    measured_on = f"{entry.get('device_name', '?')}, torch {entry.get('torch', '?')}" if entry else ""
+    return Plan(best, p, reason, source, tuple(cands), settings, neighbours, measured_on)
 
 
 def plan_for(backend: str, problem: Problem, fn_name: str = "GroupedLinear") -> Plan:

@@ -272,11 +272,25 @@ def clear_cache() -> None:
 
 
 def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
-    """The shipped table for the device type (any dtype), or None where none ships."""
+    """The shipped table for the device type (any dtype), or None where none ships.
+
+    The built-in table holds entries measured on a few machines. The one measured on a
+    device of this name (:func:`device_name`, the CPU's thread count included) is used;
+    else the one the table's ``"defaults"`` names for the device type; else the first
+    entry of that type.
+    """
     doc, err = read_profile(DEFAULTS_PATH)
     if doc is None:
         return None
-    for e in doc["entries"].values():
+    entries = doc["entries"]
+    name = device_name(device)
+    for e in entries.values():
+        if e.get("device") == device and e.get("device_name") == name:
+            return e
+    default = doc.get("defaults", {}).get(device)
+    if default in entries and entries[default].get("device") == device:
+        return entries[default]
+    for e in entries.values():
         if e.get("device") == device:
             return e
     return None

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import blockdiag
 from blockdiag import BlockDiagError, Problem, ProfileWarning, choose, profile
 
 from _profiles import entry, point, write
@@ -248,3 +249,49 @@ def test_the_cpu_entry_follows_the_thread_count(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert profile.cached_entry("cpu", torch.float32, path)[1].startswith("tuning profile")
+
+
+def _shipped(tmp_path, names, defaults=None):
+    doc = {"format": profile.FORMAT, "version": profile.VERSION, "entries": {}}
+    for n in names:
+        e = entry([point(bmm=1.0)])
+        e["device_name"] = n
+        doc["entries"][f"{n}|{e['torch']}|{e['dtype']}"] = e
+    if defaults is not None:
+        doc["defaults"] = defaults
+    path = tmp_path / "defaults.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_the_builtin_entry_of_this_very_device_wins(tmp_path, monkeypatch):
+    here = profile.device_name("cpu")
+    path = _shipped(tmp_path, ["Other CPU (2 threads)", here], {"cpu": f"Other CPU (2 threads)|{torch.__version__}|float32"})
+    monkeypatch.setattr(profile, "DEFAULTS_PATH", path)
+    assert profile.builtin_entry("cpu", torch.float32)["device_name"] == here
+
+
+def test_elsewhere_the_builtin_default_of_the_device_type_is_used(tmp_path, monkeypatch):
+    names = ["A CPU (2 threads)", "B CPU (2 threads)"]
+    path = _shipped(tmp_path, names, {"cpu": f"B CPU (2 threads)|{torch.__version__}|float32"})
+    monkeypatch.setattr(profile, "DEFAULTS_PATH", path)
+    assert profile.builtin_entry("cpu", torch.float32)["device_name"] == "B CPU (2 threads)"
+    # Without a named default, the first entry of the device type; none for another type.
+    monkeypatch.setattr(profile, "DEFAULTS_PATH", _shipped(tmp_path, names))
+    assert profile.builtin_entry("cpu", torch.float32)["device_name"] == "A CPU (2 threads)"
+    assert profile.builtin_entry("mps", torch.float32) is None
+
+
+def test_the_shipped_defaults_name_shipped_entries():
+    doc, err = profile.read_profile(profile.DEFAULTS_PATH)
+    assert err is None
+    for device, key in doc["defaults"].items():
+        assert doc["entries"][key]["device"] == device
+
+
+def test_the_plan_names_the_machine_its_table_was_measured_on(tmp_path):
+    path = write(tmp_path / "p.json", entry([point(bmm=1.0, loop=2.0)]))
+    with blockdiag.config(profile=str(path)):
+        plan = choose(Problem(256, 50, 10, 10))
+    assert plan.measured_on == f"{profile.device_name('cpu')}, torch {torch.__version__}"
+    assert f"table:   tuning profile {path} (measured on {plan.measured_on})" in str(plan)
