@@ -24,9 +24,11 @@ def check_groups(fn_name: str, groups: object, in_features: int, out_features: i
     )
     check(
         fn_name,
-        in_features >= 1 and out_features >= 1,
-        f"in_features and out_features must be positive, got in_features={in_features}, "
-        f"out_features={out_features}",
+        all(isinstance(v, int) and not isinstance(v, bool) for v in (in_features, out_features))
+        and in_features >= 1
+        and out_features >= 1,
+        f"in_features and out_features must be positive ints, got in_features={in_features!r}, "
+        f"out_features={out_features!r}",
     )
     check(
         fn_name,

@@ -33,3 +33,19 @@ def test_a_torch_device_is_keyed_by_its_type():
 def test_zero_groups_from_the_operands_is_named():
     with pytest.raises(BlockDiagError, match=r"groups must be an int >= 1, got 0"):
         grouped_linear(torch.randn(5, 0), torch.randn(0, 2, 3))
+
+
+def test_operands_that_are_not_tensors_are_named():
+    with pytest.raises(BlockDiagError, match=r"grouped_linear: input must be a torch.Tensor, got list"):
+        grouped_linear([[1.0] * 6], torch.randn(2, 3, 3))
+    with pytest.raises(BlockDiagError, match=r"grouped_linear: weight must be a torch.Tensor, got list"):
+        grouped_linear(torch.randn(1, 6), [[1.0]])
+    with pytest.raises(BlockDiagError, match=r"grouped_linear: bias must be a torch.Tensor, got float"):
+        grouped_linear(torch.randn(1, 6), torch.randn(2, 3, 3), 0.5)
+
+
+def test_feature_counts_must_be_ints():
+    from blockdiag import GroupedLinear
+
+    with pytest.raises(BlockDiagError, match=r"in_features and out_features must be positive ints, got in_features=6.0, out_features=6"):
+        GroupedLinear(6.0, 6, 2)

@@ -19,6 +19,8 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def _constraint(p) -> str | None:
     if p.batch == 0:
         return "conv1d rejects an empty batch"
+    if p.block_in == 0 or p.block_out == 0:
+        return "conv1d rejects blocks with an empty side"
     return None
 
 

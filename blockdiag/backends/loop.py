@@ -64,7 +64,9 @@ def _backward(ctx, gy):
     gx = gw = gb = None
     n = x.shape[0]
     gys = gy.split(o, dim=1)
-    if need_x:
+    if need_x and (i == 0 or o == 0):
+        gx = torch.zeros_like(x)  # blocks with an empty side (bmm_fm_loop's forward ran)
+    elif need_x:
         if torch.is_grad_enabled():
             # create_graph=True: build the gradient from differentiable ops.
             gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
@@ -83,6 +85,12 @@ def _backward(ctx, gy):
 
 def loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``."""
+    g, o, i = weight.shape
+    if i == 0 or o == 0:
+        # Blocks with an empty side: split() takes no size 0, and the block-diagonal matrix
+        # is empty, so the product is the bias alone (or nothing), which one linear of the
+        # [G*out, G*in] matrix (0 elements either way) gives, gradients included.
+        return torch.nn.functional.linear(x, weight.reshape(g * o, g * i), bias)
     return _Loop.apply(x, weight, bias)
 
 

@@ -51,6 +51,10 @@ def _built_with_cuda() -> bool:
 
 
 def _constraint(p: Problem) -> str | None:
+    if p.block_in == 0 or p.block_out == 0:
+        # torch-sparse 0.6.18's matmul kills the process (SIGFPE) on such a matrix: refusing
+        # is the only way to keep a bad shape from taking the interpreter down.
+        return f"block {p.block_in}x{p.block_out} (in x out) has an empty side, on which torch-sparse's matmul crashes"
     if p.device == "cuda" and not _built_with_cuda():
         return "torch-sparse was built without CUDA (rebuild it where nvcc and a CUDA torch are present)"
     return None

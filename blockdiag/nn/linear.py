@@ -32,7 +32,8 @@ def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if bias is not None:
         check(fn, bias.shape == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
     check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
-    n = x.numel() // (g * i) if g * i else 0
+    # Rows are the leading dimensions' product, also when a block has no columns (numel 0).
+    n = x.shape[:-1].numel()
     return Problem(n, g, i, o, x.dtype, x.device.type, _records_grad(x, weight, bias))
 
 
@@ -114,10 +115,16 @@ _SELECTED: dict = {}
 
 def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """The backend name to run for these operands (checked and planned on a miss)."""
-    # _records_grad, inlined: this runs on every call.
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    # _records_grad, inlined: this runs on every call. A non-tensor operand fails here;
+    # the try costs nothing until then.
+    try:
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+    except AttributeError:
+        for arg, t in (("input", x), ("weight", weight), ("bias", bias)):
+            check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        raise
     auto = backend == "auto"
     # One flat tuple: each nested one would be built and hashed again on every call. Two
     # literals, not one plus ``key += (bias...)``: the concatenation costs 60-100 ns a call.
@@ -149,7 +156,8 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return get(name).fn(x, weight, bias)
     g, o, i = weight.shape
     lead = x.shape[:-1]
-    y = get(name).fn(x.reshape(-1, g * i), weight, bias)
+    # The row count, not -1: reshape cannot infer it when a block has no columns.
+    y = get(name).fn(x.reshape(lead.numel(), g * i), weight, bias)
     return y.reshape(*lead, g * o)
 
 
