@@ -15,18 +15,21 @@ def check(fn_name: str, cond: bool, msg: str) -> None:
         raise BlockDiagError(f"{fn_name}: {msg}")
 
 
+def is_int(value: object, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an int (a bool is not a size or a count), at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
 def check_groups(fn_name: str, groups: object, in_features: int, out_features: int) -> int:
     """Check that ``groups`` is a positive int dividing both feature counts."""
     check(
         fn_name,
-        isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
+        is_int(groups, 1),
         f"groups must be a positive int, got {groups!r}",
     )
     check(
         fn_name,
-        all(isinstance(v, int) and not isinstance(v, bool) for v in (in_features, out_features))
-        and in_features >= 1
-        and out_features >= 1,
+        is_int(in_features, 1) and is_int(out_features, 1),
         f"in_features and out_features must be positive ints, got in_features={in_features!r}, "
         f"out_features={out_features!r}",
     )

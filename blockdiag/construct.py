@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._checks import as_blocks, check
+from ._checks import as_blocks, check, is_int
 from ._errors import BlockDiagError
 from .layout import BlockLayout
 
@@ -95,7 +95,7 @@ def block_diag_mask(
     """
     check(
         "block_diag_mask",
-        isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
+        is_int(groups, 1),
         f"groups must be a positive int, got {groups!r}",
     )
     check(
@@ -112,7 +112,7 @@ def _two_positive_ints(v) -> bool:
     return (
         isinstance(v, (tuple, list, torch.Size))
         and len(v) == 2
-        and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in v)
+        and all(is_int(k, 1) for k in v)
     )
 
 
@@ -336,7 +336,7 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
 def _check_shape(fn: str, shape, groups: int) -> None:
     check(
         fn,
-        isinstance(groups, int) and groups >= 1,
+        is_int(groups, 1),
         f"groups must be a positive int, got {groups!r}",
     )
     check(

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._checks import is_int
 from ._errors import BlockDiagError
 
 FORMAT = "blockdiag-profile"
@@ -125,7 +126,7 @@ def _validate(doc: Any, path: str) -> dict:
                 isinstance(m, dict)
                 and m.get("mode") in ("forward", "train")
                 and all(
-                    isinstance(m.get(k), int) and not isinstance(m[k], bool) and m[k] >= (1 if k == "groups" else 0)
+                    is_int(m.get(k), 1 if k == "groups" else 0)
                     for k in ("batch", "groups", "block_in", "block_out")
                 )
                 and isinstance(m.get("times_us"), dict)

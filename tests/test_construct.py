@@ -195,6 +195,7 @@ def test_returned_indices_are_not_the_shared_cache(build):
         pytest.param(lambda: blockdiag.block_diag_bsr(torch.ones(2, 2, 2), (True, 1)), r"got \(True, 1\)", id="bsr-bool-blocksize"),
         pytest.param(lambda: blockdiag.block_diag_mask(2, 3), r"block_shape must be two positive ints \(rows, cols\), got 3", id="mask-int-shape"),
         pytest.param(lambda: blockdiag.block_diag_mask(True, (2, 2)), r"groups must be a positive int, got True", id="mask-bool-groups"),
+        pytest.param(lambda: blockdiag.to_blocks(torch.eye(4), True), r"to_blocks: groups must be a positive int, got True", id="to-blocks-bool-groups"),
     ],
 )
 def test_sizes_that_are_not_pairs_of_ints(call, match):

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .._checks import is_int
 from .._errors import BlockDiagError
 
 __all__ = ["Problem", "Backend", "BackendInfo", "register", "get", "names", "registry"]
@@ -37,7 +38,7 @@ class Problem:
         # zero there) or with a message that reads like a support gap.
         for name, lo in (("batch", 0), ("groups", 1), ("block_in", 0), ("block_out", 0)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            if not is_int(v, lo):
                 raise BlockDiagError(f"Problem: {name} must be an int >= {lo}, got {v!r}")
         if isinstance(self.device, torch.device):
             # torch.device("cuda:1") and "cuda" are the same problem: keyed by device type.
