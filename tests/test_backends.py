@@ -10,8 +10,6 @@ references. A backend that gains a constraint therefore needs a row here.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib
 import math
 import os
@@ -30,10 +28,10 @@ from hypothesis import strategies as st
 
 import blockdiag
 from blockdiag import BlockDiagError, Problem, grouped_linear
-from blockdiag.backends import _registry, get, names
+from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, reference_scipy, tolerances
 
-from _params import CUDA, CUDA_MARKS
+from _params import CUDA, CUDA_MARKS, backend_spy
 
 
 BACKENDS = [pytest.param(n, id=n) for n in names()]
@@ -147,22 +145,6 @@ def _expect_decline(name, lead, g, i, o, dtype, device, grad):
     return True
 
 
-@contextlib.contextmanager
-def _spy():
-    """Record which backends run (each registered kernel wrapped), for the ``with`` block."""
-    ran = []
-    with pytest.MonkeyPatch.context() as m:
-        for n in names():
-            b = get(n)
-
-            def fn(x, w, bias, _inner=b.fn, _name=n):
-                ran.append(_name)
-                return _inner(x, w, bias)
-
-            m.setitem(_registry._REGISTRY, n, dataclasses.replace(b, fn=fn))
-        yield ran
-
-
 def _scipy_grads(x, w, r):
     """Gradients of ``sum(r * (x @ W.T + b))`` for the dense ``W = block_diag(*w)``, in numpy."""
     g, o, i = w.shape
@@ -226,7 +208,7 @@ def test_every_cpu_backend_runs_cases_against_the_reference(name):
         if _expect_decline(name, lead, g, i, o, torch.float64, "cpu", True):
             continue
         x, w, b = _inputs(lead, g, i, o, torch.float64, "cpu")
-        with _spy() as calls:
+        with backend_spy() as calls:
             y = grouped_linear(x, w, b, backend=name)
         assert calls == [name]
         xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
@@ -399,7 +381,7 @@ def test_auto_never_picks_a_failing_backend(n, g, i, o, grad, dtype):
     p = Problem(n, g, i, o, dtype, "cpu", grad)
     chosen = blockdiag.choose(p).backend
     assert not _check_refusal(chosen, p), f"auto chose {chosen!r}, which must refuse {p.describe()}"
-    with _spy() as ran:
+    with backend_spy() as ran:
         y = grouped_linear(x, w, None)
     assert ran == [chosen], f"planned {chosen!r} for {p.describe()}, ran {ran}"
     xr, wr = (t.detach().clone().requires_grad_(grad) for t in (x, w))

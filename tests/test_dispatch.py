@@ -18,6 +18,7 @@ from blockdiag.backends._registry import FLOATS
 from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurements, plan_for
 from blockdiag.testing import reference_loop, tolerances
 
+from _params import backend_spy
 from _profiles import entry, point, write
 
 
@@ -290,18 +291,10 @@ def test_grouped_linear_plan_is_choose(prof):
 
 
 @pytest.fixture
-def spy(monkeypatch):
+def spy():
     """Record which backends actually run (wrapping each registered kernel)."""
-    ran = []
-    for name in names():
-        b = _registry.get(name)
-
-        def fn(x, w, bias, _inner=b.fn, _name=name):
-            ran.append(_name)
-            return _inner(x, w, bias)
-
-        monkeypatch.setitem(_registry._REGISTRY, name, dataclasses.replace(b, fn=fn))
-    return ran
+    with backend_spy() as ran:
+        yield ran
 
 
 def test_forward_fast_path_follows_settings_profile_and_grad(prof, spy, monkeypatch):
