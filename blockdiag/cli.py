@@ -309,6 +309,10 @@ def cmd_bench(args) -> int:
     summary = summarize(rows)
     for mode, s in summary.items():
         print(f"{mode}: " + ", ".join(f"{k}={v}" for k, v in s.items()))
+        if "geomean_choice_over_builtin_choice" in s:
+            print(f"{mode}: the profile's choices against the built-in table's, timed in this run: "
+                  f"{s['geomean_choice_over_builtin_choice']:.3f}x on geometric mean (below 1: the profile "
+                  f"chose faster); they differ at {s['choices_differing_from_builtin']} of {s['points']} points")
     if args.json:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),

@@ -34,7 +34,7 @@ from ._errors import BlockDiagError
 from .backends import Backend, Problem, get, names
 from .backends._registry import _REGISTRY
 
-__all__ = ["Plan", "Candidate", "choose", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurements", "blended_times"]
+__all__ = ["Plan", "Candidate", "choose", "builtin_plan", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurements", "blended_times"]
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type
 # (time over the fastest in the built-in table, over both modes; bmm_fm_bmm and bmm_fm_loop
@@ -193,6 +193,29 @@ def choose(problem: Problem) -> Plan:
         label = "built-in table" if source == "built-in defaults" else "tuning profile"
         plan = _cache[key] = _rank(problem, _resolved_settings(entry, label), source, entry)
     return plan
+
+
+def builtin_plan(problem: Problem) -> Plan:
+    """The plan :func:`choose` would give under the built-in table, whatever profile is in force.
+
+    ``blockdiag bench`` times every backend, so where a tuning profile is in force it can
+    say, from the same run, whether the profile's choices beat the built-in table's: on a
+    machine whose speed drifts between runs, two benches compared across runs cannot. The
+    settings in force apply as for :func:`choose`, with the built-in table's settings in
+    the profile's place.
+
+    >>> from blockdiag.backends import Problem
+    >>> builtin_plan(Problem(256, 50, 10, 10)).source
+    'built-in defaults'
+
+    Args:
+        problem: a :class:`~blockdiag.backends.Problem`.
+
+    Returns:
+        a :class:`Plan` whose ``source`` is ``"built-in defaults"``.
+    """
+    entry = _profile.builtin_entry(problem.device, problem.dtype)
+    return _rank(problem, _resolved_settings(entry, "built-in table"), "built-in defaults", entry)
 
 
 def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:

@@ -681,9 +681,11 @@ def bench(
         ``fastest``, ``auto_over_fastest``, ``auto_kernel_us`` (the chosen backend's bare
         kernel, no dispatch) and ``auto_over_kernel``, ``ideal_us``,
         ``fraction_of_ideal`` (ideal time over auto's), ``baselines_us``,
-        ``peak_bytes`` and ``skipped`` (name -> reason).
+        ``peak_bytes``, ``skipped`` (name -> reason), ``table`` (the source of auto's plan)
+        and, where that is a tuning profile, ``builtin_choice`` (what the built-in table
+        would have chosen: :func:`~blockdiag.dispatch.builtin_plan`).
     """
-    from .dispatch import choose
+    from .dispatch import builtin_plan, choose
 
     modes = _resolve_modes(modes)
     problems = [p for m in modes for p in grid.problems(m, dtype, device)]
@@ -698,7 +700,8 @@ def bench(
             continue
         ok, skipped = _runnable(p, backends)
         x, w, b, gy = _inputs(p)
-        choice = choose(p).backend
+        plan = choose(p)
+        choice = plan.backend
         # Every backend is timed through the same public entry point as auto, so that
         # auto/fastest measures the choice; the choice's bare kernel is timed as well, so
         # that auto/kernel measures what the dispatch itself costs.
@@ -728,7 +731,12 @@ def bench(
             fraction_of_ideal=round(times["ideal"] / times["auto"], 4),
             baselines_us={n: round(times[n] * 1e6, 3) for n in ("nn_linear_loop", "vmap") if n in times},
             skipped={**skipped, **failed},
+            table=plan.source,
         )
+        if plan.source != "built-in defaults":
+            # What the built-in table would have run: its time is in times_us already (every
+            # backend is timed), so the profile is judged against it within one run.
+            row["builtin_choice"] = builtin_plan(p).backend
         if memory:
             row["peak_bytes"] = {n: peak_memory(steps[n]) for n in ok if n not in failed}
         rows.append(row)
@@ -743,6 +751,9 @@ def _geomean(xs: Sequence[float]) -> float:
 
 def summarize(rows: Sequence[dict]) -> dict:
     """Per mode: geomean and worst auto/fastest, median fraction of ideal, baseline speed-ups.
+
+    Where rows were measured under a tuning profile, also the built-in table's choices
+    against the same run's fastest, and the profile's choices over the built-in table's.
 
     >>> summarize([])
     {}
@@ -768,6 +779,18 @@ def summarize(rows: Sequence[dict]) -> dict:
         if chosen:
             s["geomean_choice_over_fastest"] = round(_geomean(chosen), 4)
             s["choice_within_1.10"] = sum(x <= 1.10 for x in chosen)
+        # Under a tuning profile: the built-in table's choice at the same points, in the
+        # same run, and the profile's choice over it (below 1: the profile chose better).
+        vs = [
+            (r["times_us"][r["builtin_choice"]], r["times_us"][r["auto"]], r["times_us"][r["fastest"]])
+            for r in rs
+            if "builtin_choice" in r and r["builtin_choice"] in r["times_us"] and r["auto"] in r["times_us"]
+        ]
+        if vs:
+            s["geomean_builtin_choice_over_fastest"] = round(_geomean([b / f for b, _, f in vs]), 4)
+            s["builtin_choice_within_1.10"] = sum(b / f <= 1.10 for b, _, f in vs)
+            s["geomean_choice_over_builtin_choice"] = round(_geomean([c / b for b, c, _ in vs]), 4)
+            s["choices_differing_from_builtin"] = sum(r["builtin_choice"] != r["auto"] for r in rs if "builtin_choice" in r)
         kernel = [r["auto_over_kernel"] for r in rs if "auto_over_kernel" in r]
         if kernel:
             s["geomean_auto_over_kernel"] = round(_geomean(kernel), 4)

@@ -328,6 +328,59 @@ def test_summary_scores_the_choice_alone():
     assert s["within_1.10"] == 0  # auto's own 9.0 us against 1.0 us
 
 
+def test_summary_scores_the_profile_against_the_builtin_table():
+    def row(auto, builtin=None, **t):
+        r = {"mode": "train", "batch": 4, "groups": 2, "block_in": 3, "block_out": 2, "times_us": t,
+             "auto": auto, "fastest": min(t, key=t.get), "auto_us": 9.0, "auto_over_fastest": 9.0 / min(t.values()),
+             "fraction_of_ideal": 0.5}
+        if builtin is not None:
+            r["builtin_choice"] = builtin
+        return r
+
+    rows = [row("loop", "bmm", loop=1.0, bmm=4.0), row("bmm", "bmm", loop=1.0, bmm=2.0),
+            row("loop", "dense", loop=1.0, bmm=2.0)]  # dense not timed: left out
+    s = summarize(rows)["train"]
+    assert s["geomean_builtin_choice_over_fastest"] == pytest.approx((4.0 * 2.0) ** 0.5, abs=1e-4)
+    assert s["builtin_choice_within_1.10"] == 0
+    # profile's choice over the built-in's: 1/4 at the first row, 1 at the second
+    assert s["geomean_choice_over_builtin_choice"] == pytest.approx(0.5, abs=1e-4)
+    assert s["choices_differing_from_builtin"] == 2
+    # Without a profile (no builtin_choice in any row) none of these keys appear.
+    plain = summarize([row("loop", loop=1.0, bmm=2.0)])["train"]
+    assert not any("builtin" in k for k in plain)
+
+
+def test_bench_under_a_profile_times_the_builtin_choice_too(tmp_path, capsys):
+    from _profiles import entry, point, write
+
+    from blockdiag.backends import Problem
+    from blockdiag.dispatch import builtin_plan, choose
+
+    # A profile that sends this point to bmm; the built-in table decides for itself.
+    path = write(tmp_path / "p.json", entry([point("train", 4, 2, 3, 2, bmm=1.0, loop=50.0),
+                                             point("forward", 4, 2, 3, 2, bmm=1.0, loop=50.0)]))
+    assert main(["bench", *TINY, "--groups", "2", "--no-baselines",
+                 "--profile", str(path), "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "b.json").read_text())
+    for r in doc["rows"]:
+        p = Problem(4, 2, 3, 2, requires_grad=r["mode"] == "train")
+        assert r["auto"] == "bmm" and r["table"] == f"tuning profile {path}"
+        assert r["builtin_choice"] == builtin_plan(p).backend
+        s = doc["summary"][r["mode"]]
+        b = r["times_us"][r["builtin_choice"]]
+        assert s["geomean_choice_over_builtin_choice"] == pytest.approx(r["times_us"]["bmm"] / b, rel=2e-3, abs=1e-4)
+        assert f"{r['mode']}: the profile's choices against the built-in table's, timed in this run" in out
+    # Without the profile, auto is the built-in table and no comparison is made.
+    p = Problem(4, 2, 3, 2)
+    assert choose(p).backend == builtin_plan(p).backend
+    assert main(["bench", *TINY, "--groups", "2", "--mode", "forward", "--no-baselines",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    (r,) = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert r["table"] == "built-in defaults" and "builtin_choice" not in r
+    assert "against the built-in table's" not in capsys.readouterr().out
+
+
 def _scripted_measure(monkeypatch, first, second):
     """``tuning.measure`` returning ``first`` on the grid pass and ``second`` in rematches."""
     calls = []

@@ -60,6 +60,22 @@ def test_table_winner_is_chosen_and_explained(prof):
     assert all(c.measured for c in plan.candidates if c.name in ("loop", "bmm", "bmm_fm"))
 
 
+def test_builtin_plan_ignores_the_profile_in_force(prof):
+    p = Problem(256, 50, 10, 10)
+    builtin = choose(p)  # no profile written yet: the built-in table
+    assert builtin.source == "built-in defaults" and builtin.backend != "csr"
+    # A profile that sends this point to csr (sparsity_threshold lifted so it may run).
+    prof(point(csr=1.0, **{n: 50.0 for n in ("loop", "bmm", "bmm_fm", builtin.backend)}),
+         settings={"sparsity_threshold": 0.5})
+    assert choose(p).backend == "csr"
+    plan = blockdiag.dispatch.builtin_plan(p)
+    assert plan.backend == builtin.backend and plan.source == "built-in defaults"
+    # The settings in force still apply, and the profile's settings do not.
+    assert plan.settings[0] == ("sparsity_threshold", 1.0, "built-in table")
+    with blockdiag.config(sparsity_threshold=0.0):
+        assert blockdiag.dispatch.builtin_plan(p).settings[0] == ("sparsity_threshold", 0.0, "blockdiag.config()")
+
+
 def test_mode_is_part_of_the_key(prof):
     prof(point(loop=10.0, bmm=30.0), point(mode="train", loop=30.0, bmm=10.0))
     assert choose(Problem(256, 50, 10, 10)).backend == "loop"
