@@ -270,6 +270,13 @@ def _fmt_us(v) -> str:
     return f"{v / 1000:.2f}ms" if v >= 10000 else f"{v:.0f}us" if v >= 100 else f"{v:.1f}us"
 
 
+def _builtin_columns(r: dict) -> str:
+    b = r.get("builtin_choice")
+    t = r["times_us"].get(b) if b else None
+    ratio = f"{t / r['times_us'][r['fastest']]:6.2f}" if t else f"{'-':>6s}"
+    return f" {b or '-':>11s} {ratio}"
+
+
 def cmd_bench(args) -> int:
     import contextlib
 
@@ -286,10 +293,14 @@ def cmd_bench(args) -> int:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
-                     stat=args.stat, progress=sys.stderr)
+                     stat=args.stat, refine=args.refine, progress=sys.stderr)
     names_ = sorted({n for r in rows for n in r.get("times_us", {})})
     head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n:>9s}" for n in names_)
     head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'a/kern':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
+    # Under a tuning profile: the built-in table's choice and its forced time over the fastest.
+    builtin = any("builtin_choice" in r for r in rows)
+    if builtin:
+        head += f" {'builtin':>11s} {'b/best':>6s}"
     print(head)
     for r in rows:
         lead = f"{r['mode']:7s} {r['batch']:5d} {r['groups']:4d} {str(r['block_in']) + 'x' + str(r['block_out']):>8s} "
@@ -302,7 +313,8 @@ def cmd_bench(args) -> int:
         xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
         print(lead + " ".join(f"{_fmt_us(t.get(n)):>9s}" for n in names_)
               + f" {_fmt_us(r['auto_us']):>9s} {r['auto']:>8s} {r['auto_over_fastest']:6.2f} {r['auto_over_kernel']:6.2f}"
-              + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}")
+              + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
+              + (_builtin_columns(r) if builtin else ""))
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
     if skipped:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
@@ -316,7 +328,7 @@ def cmd_bench(args) -> int:
     if args.json:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-               "statistic": args.stat, "rounds": args.repeat, "argv": sys.argv[1:],
+               "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
                "allocator_env": allocator_env(), "summary": summary, "rows": rows}
         prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
@@ -338,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
-    from .tuning import TIE_MARGIN
+    from .tuning import BENCH_REFINE, TIE_MARGIN
 
     t = sub.add_parser("tune", help="measure the backends on this machine and write a tuning profile")
     _add_grid_options(t, "quick")
@@ -365,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
+    b.add_argument("--refine", type=_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",
+                   help=f"auto, its choice, the nn.Linear loop and the backends within this fraction of "
+                        f"the fastest get --repeat more rounds (default {BENCH_REFINE:g}; 0 disables)")
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -219,6 +219,7 @@ def measure(
     keep: Iterable[str] = (),
     stat: str = "median",
     refine: float = 0.0,
+    refine_also: Iterable[str] = (),
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
 
@@ -237,6 +238,9 @@ def measure(
             more interleaved rounds and judged on all their samples (0 disables this). A
             near-tie is where one stalled sample decides the ranking, and only the tied
             steps pay for the extra samples.
+        refine_also: steps (``keep`` ones included) that join those extra rounds whenever
+            ``refine`` is on, however far from the fastest they are: ``bench`` adds ``auto``
+            and what it is compared with, whose ratios are the run's result.
 
     Returns:
         ``({name: seconds}, {name: error message})``; a step that raised is reported in the
@@ -298,6 +302,8 @@ def measure(
     contenders = {n: agg(samples[n]) for n in order if n not in keep}
     best = min(contenders.values(), default=0.0)
     tied = [n for n, t in contenders.items() if t <= (1 + refine) * best] if refine > 0 else []
+    if refine > 0:
+        tied += [n for n in refine_also if n in samples and n not in tied]
     for r in range(rounds if len(tied) > 1 else 0):
         k = r % len(tied)
         for name in tied[k:] + tied[:k]:
@@ -325,6 +331,12 @@ STATS = {"median": statistics.median, "min": min}
 # in one tune, 4.2-4.3 ms in two later runs, where bmm took 4.8-7.1 ms), so a lead of a few
 # percent after five rounds is not yet a ranking.
 TIE_MARGIN = 0.05
+
+# ``bench``'s ``refine``: wider than tune's, since a bench point's verdicts (auto within 1.10
+# of the fastest, faster than the nn.Linear loop) are 10% margins. Run P on the project's VM
+# (docs/tuning.md) had auto 10-20% behind forced runs of the very same kernel at 6 of 94
+# points after five rounds, from bursts of noise that the extra rounds dilute.
+BENCH_REFINE = 0.10
 
 # The environment variables that change how the C allocator serves tensor memory. With
 # glibc's defaults, a CPU tensor over 32 MB is a fresh mmap every time it is allocated, and
@@ -663,12 +675,17 @@ def bench(
     memory: bool = True,
     max_gflop: float = float("inf"),
     stat: str = "median",
+    refine: float = BENCH_REFINE,
     progress: Optional[TextIO] = None,
 ) -> list[dict]:
     """Time every backend, ``auto``, the ideal GEMM and the baselines at each grid point.
 
     Args:
         grid, device, dtype, modes, backends, rounds, min_time, stat, progress: as for :func:`tune`.
+        refine: after the rounds, ``auto``, the chosen backend's bare kernel, the ``nn.Linear``
+            loop and the backends within this fraction of the fastest (the fastest, and
+            ``auto``'s choice forced by name, always) get ``rounds`` more interleaved
+            rounds, and are judged on all their samples (see :func:`measure`; 0 disables it).
         baselines: also time a loop of ``nn.Linear`` and ``torch.func.vmap`` ensembling.
         memory: record each backend's peak tensor memory of one call (forward+backward in
             training) with :func:`peak_memory`.
@@ -714,7 +731,12 @@ def bench(
             steps["vmap"] = _vmap_step(p, x, gy)
         extra = ("auto", "auto_kernel", "ideal", "nn_linear_loop", "vmap")
         # auto and the references are never pruned: their times are the point of the run.
-        times, failed = measure(steps, device, rounds, min_time, keep=extra, stat=stat)
+        # The ratios the run reports (auto over the fastest and over its own kernel and
+        # choice, the nn.Linear loop over auto) are where one burst of noise would decide
+        # a verdict; those steps get the extra rounds, at every point alike.
+        also = ("auto", "auto_kernel", choice, "nn_linear_loop")
+        times, failed = measure(steps, device, rounds, min_time, keep=extra, stat=stat, refine=refine,
+                                refine_also=also)
         if "auto" in failed or "ideal" in failed:
             raise BlockDiagError(f"bench: {p.describe()}: auto or the ideal GEMM failed: {failed}")
         bt = {n: t for n, t in times.items() if n not in extra}

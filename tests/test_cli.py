@@ -222,6 +222,14 @@ def test_near_ties_get_more_rounds_and_clear_winners_do_not():
     # A kept step (a reference in bench) is never a contender, so "b" alone has no tie.
     measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.5, keep=("a",))
     assert calls == {"a": 5, "b": 5, "slow": 5}
+    calls.update(a=0, b=0, slow=0)
+    # refine_also brings a kept step and a far one into the extra rounds (bench's auto and
+    # its references), and a name that is not a step is ignored.
+    measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.5, keep=("a",), refine_also=("a", "slow", "nope"))
+    assert calls == {"a": 8, "b": 8, "slow": 8}
+    calls.update(a=0, b=0, slow=0)
+    measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.0, refine_also=("slow",))
+    assert calls == {"a": 5, "b": 5, "slow": 5}  # refine off: no extra rounds at all
 
 
 def test_derive_settings_finds_the_sparse_crossover():
@@ -270,6 +278,22 @@ def test_bench_api_and_summary():
         assert s["choice_within_1.10"] == int(chosen <= 1.10)
     else:
         assert "geomean_choice_over_fastest" not in s and "choice_within_1.10" not in s
+
+
+def test_bench_refines_auto_and_what_it_is_compared_with(monkeypatch):
+    seen = {}
+    real = tuning.measure
+
+    def spy(steps, device, rounds, min_time, **kw):
+        seen.update(kw)
+        return real(steps, device, rounds, min_time, **kw)
+
+    monkeypatch.setattr(tuning, "measure", spy)
+    (r,) = bench(Grid((4,), (2,), ((3, 2),)), modes=("forward",), rounds=1, min_time=0.0, memory=False, refine=0.2)
+    assert seen["refine"] == 0.2
+    assert set(seen["refine_also"]) == {"auto", "auto_kernel", r["auto"], "nn_linear_loop"}
+    bench(Grid((4,), (2,), ((3, 2),)), modes=("forward",), rounds=1, min_time=0.0, memory=False)
+    assert seen["refine"] == tuning.BENCH_REFINE
 
 
 def test_python_dash_m_entry_point():
@@ -371,6 +395,9 @@ def test_bench_under_a_profile_times_the_builtin_choice_too(tmp_path, capsys):
         b = r["times_us"][r["builtin_choice"]]
         assert s["geomean_choice_over_builtin_choice"] == pytest.approx(r["times_us"]["bmm"] / b, rel=2e-3, abs=1e-4)
         assert f"{r['mode']}: the profile's choices against the built-in table's, timed in this run" in out
+        b_best = f"{b / r['times_us'][r['fastest']]:6.2f}"
+        assert any(ln.startswith(r["mode"]) and ln.endswith(f" {r['builtin_choice']:>11s} {b_best}")
+                   for ln in out.splitlines())
     # Without the profile, auto is the built-in table and no comparison is made.
     p = Problem(4, 2, 3, 2)
     assert choose(p).backend == builtin_plan(p).backend
@@ -385,7 +412,7 @@ def _scripted_measure(monkeypatch, first, second):
     """``tuning.measure`` returning ``first`` on the grid pass and ``second`` in rematches."""
     calls = []
 
-    def fake(steps, device, rounds, min_time, prune=3.0, keep=(), stat="median", refine=0.0):
+    def fake(steps, device, rounds, min_time, prune=3.0, keep=(), stat="median", refine=0.0, refine_also=()):
         calls.append((sorted(steps), rounds))
         table = first if len(calls) == 1 else second
         return {n: table[n] * 1e-6 for n in steps}, {}

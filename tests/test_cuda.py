@@ -19,7 +19,7 @@ from blockdiag.backends import get, names
 from blockdiag.backends.bsr import triton_applies
 from blockdiag.testing import reference_loop, tolerances
 
-from _params import CUDA_MARKS
+from _params import CUDA_MARKS, backend_tolerances
 
 pytestmark = CUDA_MARKS
 
@@ -49,19 +49,6 @@ def _inputs(n, g, i, o, dtype, device="cuda"):
     return x, w, b
 
 
-def _tol(name, p, k, magnitude=1.0):
-    """Tolerances for ``p.dtype``, or TF32's where torch computes float32 products in TF32.
-
-    torch's Triton BSR kernel always uses TF32 for float32, and cuDNN convolutions do while
-    ``torch.backends.cudnn.allow_tf32`` is True (torch's default); TF32 keeps float16's
-    10-bit mantissa, so float16's tolerances apply.
-    """
-    tf32 = p.dtype == torch.float32 and (
-        (name == "bsr" and triton_applies(p)) or (name == "conv" and torch.backends.cudnn.allow_tf32)
-    )
-    return tolerances(torch.float16 if tf32 else p.dtype, k, magnitude)
-
-
 def _skip_unavailable(name):
     why = get(name).unavailable_reason()
     if why:
@@ -85,7 +72,7 @@ def test_backend_on_cuda_matches_float64_reference(name, dtype, n, g, i, o):
 
     xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
     yd = reference_loop(xd, wd, bd)
-    torch.testing.assert_close(y.double(), yd, **_tol(name, p, i))
+    torch.testing.assert_close(y.double(), yd, **backend_tolerances(name, p, i))
 
     r = torch.randn(n, g * o, device="cuda").to(dtype)
     got = torch.autograd.grad((y * r).sum(), (x, w, b))
@@ -93,7 +80,7 @@ def test_backend_on_cuda_matches_float64_reference(name, dtype, n, g, i, o):
     for a, e in zip(got, want):
         assert a.dtype == dtype and a.layout == torch.strided
         mag = float(e.abs().max()) if e.numel() else 1.0
-        torch.testing.assert_close(a.double(), e, **_tol(name, p, max(n, i, o), mag))
+        torch.testing.assert_close(a.double(), e, **backend_tolerances(name, p, max(n, i, o), mag))
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -176,7 +163,7 @@ def test_bsr_triton_path_and_fallback(dtype, n, g, i, o, triton):
     torch.cuda.synchronize()
     assert any(k.kernel_invoked for k in kernels) == triton
     ref = reference_loop(x.detach().double(), w.detach().double(), b.detach().double())
-    torch.testing.assert_close(y.double(), ref, **_tol("bsr", p, i))
+    torch.testing.assert_close(y.double(), ref, **backend_tolerances("bsr", p, i))
 
 
 def test_bsr_refuses_coprime_blocks_on_cuda():
@@ -228,7 +215,7 @@ def test_auto_on_cuda_picks_a_backend_that_runs(dtype, n, g, i, o):
         assert get(plan.backend).decline_reason(p) is None
         y = grouped_linear(x, w, b)
     ref = reference_loop(x.detach().double(), w.detach().double(), b.detach().double())
-    torch.testing.assert_close(y.double(), ref, **_tol(plan.backend, p, i))
+    torch.testing.assert_close(y.double(), ref, **backend_tolerances(plan.backend, p, i))
 
 
 def test_layout_indices_are_cached_per_cuda_device():

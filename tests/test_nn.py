@@ -380,3 +380,20 @@ def test_from_linears_refuses_a_bias_in_another_dtype():
     b.bias.data = b.bias.data.double()
     with pytest.raises(BlockDiagError, match=r"linears\[1\]\.bias has dtype torch.float64 but linears\[0\]\.weight has dtype torch.float32"):
         GroupedLinear.from_linears([a, b])
+
+
+@pytest.mark.parametrize("layer_dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
+@pytest.mark.parametrize("name", ["auto", "loop", "bmm", "dense"])
+def test_cpu_autocast_casts_as_linear_does(name, layer_dtype):
+    """Under CPU autocast the output dtype is ``F.linear``'s: bfloat16 from float32, float64 kept."""
+    layer = GroupedLinear(4 * 8, 4 * 6, groups=4, backend=name, dtype=layer_dtype)
+    x = torch.randn(5, 4 * 8, dtype=layer_dtype)
+    dense = torch.block_diag(*layer.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        want = torch.nn.functional.linear(x, dense, layer.bias)
+    assert y.dtype == want.dtype == (torch.bfloat16 if layer_dtype == torch.float32 else torch.float64)
+    ref = reference_loop(x.double(), layer.weight.double(), layer.bias.double())
+    torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype, 8))
+    y.float().square().sum().backward()
+    assert layer.weight.grad.dtype == layer.bias.grad.dtype == layer_dtype

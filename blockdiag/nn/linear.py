@@ -50,6 +50,11 @@ def _records_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
+# Autocast's own rule, as data: it casts floating-point operands to its dtype except these
+# (torch's autocast leaves float64 alone), so a float64 layer stays float64 under it too.
+AUTOCAST_KEEPS = frozenset({torch.float64})
+
+
 def _autocast(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -67,8 +72,7 @@ def _autocast(
     dt = torch.get_autocast_dtype(dev)
 
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        # Autocast leaves float64 (and non-float) tensors alone; so does this.
-        if t is None or not t.is_floating_point() or t.dtype in (dt, torch.float64):
+        if t is None or not t.is_floating_point() or t.dtype == dt or t.dtype in AUTOCAST_KEEPS:
             return t
         return t.to(dt)
 
