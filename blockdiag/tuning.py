@@ -684,8 +684,9 @@ def bench(
         grid, device, dtype, modes, backends, rounds, min_time, stat, progress: as for :func:`tune`.
         refine: after the rounds, ``auto``, the chosen backend's bare kernel, the ``nn.Linear``
             loop and the backends within this fraction of the fastest (the fastest, and
-            ``auto``'s choice forced by name, always) get ``rounds`` more interleaved
-            rounds, and are judged on all their samples (see :func:`measure`; 0 disables it).
+            ``auto``'s choice forced by name, always; under a profile the built-in table's
+            choice too) get ``rounds`` more interleaved rounds, and are judged on all their
+            samples (see :func:`measure`; 0 disables it).
         baselines: also time a loop of ``nn.Linear`` and ``torch.func.vmap`` ensembling.
         memory: record each backend's peak tensor memory of one call (forward+backward in
             training) with :func:`peak_memory`.
@@ -719,6 +720,9 @@ def bench(
         x, w, b, gy = _inputs(p)
         plan = choose(p)
         choice = plan.backend
+        # Under a tuning profile, what the built-in table would have run: its time is in
+        # times_us (every backend is timed), so the profile is judged against it in one run.
+        builtin = builtin_plan(p).backend if plan.source != "built-in defaults" else None
         # Every backend is timed through the same public entry point as auto, so that
         # auto/fastest measures the choice; the choice's bare kernel is timed as well, so
         # that auto/kernel measures what the dispatch itself costs.
@@ -734,7 +738,7 @@ def bench(
         # The ratios the run reports (auto over the fastest and over its own kernel and
         # choice, the nn.Linear loop over auto) are where one burst of noise would decide
         # a verdict; those steps get the extra rounds, at every point alike.
-        also = ("auto", "auto_kernel", choice, "nn_linear_loop")
+        also = ("auto", "auto_kernel", choice, "nn_linear_loop") + ((builtin,) if builtin else ())
         times, failed = measure(steps, device, rounds, min_time, keep=extra, stat=stat, refine=refine,
                                 refine_also=also)
         if "auto" in failed or "ideal" in failed:
@@ -755,10 +759,8 @@ def bench(
             skipped={**skipped, **failed},
             table=plan.source,
         )
-        if plan.source != "built-in defaults":
-            # What the built-in table would have run: its time is in times_us already (every
-            # backend is timed), so the profile is judged against it within one run.
-            row["builtin_choice"] = builtin_plan(p).backend
+        if builtin:
+            row["builtin_choice"] = builtin
         if memory:
             row["peak_bytes"] = {n: peak_memory(steps[n]) for n in ok if n not in failed}
         rows.append(row)

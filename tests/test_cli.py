@@ -280,7 +280,13 @@ def test_bench_api_and_summary():
         assert "geomean_choice_over_fastest" not in s and "choice_within_1.10" not in s
 
 
-def test_bench_refines_auto_and_what_it_is_compared_with(monkeypatch):
+def test_bench_refines_auto_and_what_it_is_compared_with(monkeypatch, tmp_path):
+    from _profiles import entry, point, write
+
+    from blockdiag import config
+    from blockdiag.backends import Problem
+    from blockdiag.dispatch import builtin_plan
+
     seen = {}
     real = tuning.measure
 
@@ -294,6 +300,14 @@ def test_bench_refines_auto_and_what_it_is_compared_with(monkeypatch):
     assert set(seen["refine_also"]) == {"auto", "auto_kernel", r["auto"], "nn_linear_loop"}
     bench(Grid((4,), (2,), ((3, 2),)), modes=("forward",), rounds=1, min_time=0.0, memory=False)
     assert seen["refine"] == tuning.BENCH_REFINE
+    # Under a profile, the built-in table's choice is refined too (both sides of its verdict).
+    builtin = builtin_plan(Problem(4, 2, 3, 2)).backend
+    other = "loop" if builtin != "loop" else "bmm"
+    path = write(tmp_path / "p.json", entry([point("forward", 4, 2, 3, 2, **{other: 1.0, builtin: 50.0})]))
+    with config(profile=str(path)):
+        (r,) = bench(Grid((4,), (2,), ((3, 2),)), modes=("forward",), rounds=1, min_time=0.0, memory=False)
+    assert r["auto"] == other and r["builtin_choice"] == builtin
+    assert set(seen["refine_also"]) == {"auto", "auto_kernel", other, builtin, "nn_linear_loop"}
 
 
 def test_python_dash_m_entry_point():
