@@ -519,10 +519,15 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
             stat: str = "median") -> str:
     """Time the backends of ``pair`` head to head at ``p``; update ``m`` and return the faster.
 
-    Both backends get fresh inputs and ``rounds`` interleaved rounds; their times in
-    ``m["times_us"]`` are replaced by the new ones (the first pass's stay for the others)
-    and ``m["rematch"]`` records the first pass's times and the outcome. A backend that
-    raises in the rematch keeps its first time.
+    Both backends get fresh inputs and ``rounds`` interleaved rounds. The rematch decides
+    the pair's ratio, not its level: their times in ``m["times_us"]`` become the rematch's,
+    scaled so that the pair's geometric mean stays the first pass's. The other backends'
+    times are from the first pass, and a machine that ran slower (or faster) during the
+    rematch must not move the pair past them: run R on the project's VM (docs/tuning.md)
+    rematched `loop` against `simd` 3% slower overall than the first pass, and unscaled that
+    handed the point to a third backend neither had been timed against.
+    ``m["rematch"]`` records the first pass's times, the rematch's own and the outcome. A
+    backend that raises in the rematch keeps its first time (and then nothing is scaled).
 
     Args:
         m: a measurement row of :func:`tune` (changed in place).
@@ -537,10 +542,13 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
     steps = {n: _backend_step(n, x, w, b, gy) for n in pair}
     times, _ = measure(steps, p.device, rounds, min_time, prune=0.0, stat=stat)
     before = {n: m["times_us"][n] for n in pair}
+    scale = 1.0
+    if len(times) == len(pair) and all(t > 0 for t in times.values()):
+        scale = math.prod(before[n] / (times[n] * 1e6) for n in pair) ** (1.0 / len(pair))
     for n, t in times.items():
-        m["times_us"][n] = round(t * 1e6, 3)
+        m["times_us"][n] = round(t * 1e6 * scale, 3)
     kept = min(pair, key=lambda n: m["times_us"][n])
-    m["rematch"] = {"first_us": before, "kept": kept}
+    m["rematch"] = {"first_us": before, "rematch_us": {n: round(t * 1e6, 3) for n, t in times.items()}, "kept": kept}
     return kept
 
 
@@ -958,8 +966,29 @@ def cross_check(entry: dict) -> dict:
     return out
 
 
+# What describes one tune run in an entry's ``runs`` list.
+RUN_FIELDS = ("created", "statistic", "rounds", "threads", "allocator_env", "rematched")
+
+# ``runs`` keeps the most recent this many (an entry tuned point by point for months stays small).
+MAX_RUNS = 50
+
+
+def _run_record(entry: dict) -> dict:
+    rec = {k: entry[k] for k in RUN_FIELDS if k in entry}
+    # One short string a point: the built-in table is read in review, point by point.
+    rec["points"] = [f"{m['mode']} B={m['batch']} G={m['groups']} {m['block_in']}x{m['block_out']}"
+                     for m in entry["measurements"]]
+    return rec
+
+
 def merge_entry(old: Optional[dict], new: dict) -> dict:
-    """``new`` plus the measurements of ``old`` at points ``new`` did not measure."""
+    """``new`` plus the measurements of ``old`` at points ``new`` did not measure.
+
+    The entry's own fields (``created``, ``rounds``, ``rematched``, ...) describe the latest
+    run; ``runs`` lists every run merged into it, oldest first, each with those fields and
+    the points it measured, so that a point re-tuned with more rounds is told apart from
+    the rest.
+    """
     if not old:
         return new
 
@@ -971,5 +1000,6 @@ def merge_entry(old: Optional[dict], new: dict) -> dict:
     out = dict(new)
     out["measurements"] = kept + list(new["measurements"])
     out["settings"] = derive_settings(out["measurements"])
+    out["runs"] = (list(old.get("runs") or [_run_record(old)]) + [_run_record(new)])[-MAX_RUNS:]
     return out
 

@@ -250,6 +250,15 @@ def test_merge_entry_keeps_other_points():
     new = tune(Grid((1,), (3,), ((1, 1),)), modes=("forward",), backends=["loop"], rounds=1, min_time=0.0)
     merged = merge_entry(old, new)
     assert sorted(m["groups"] for m in merged["measurements"]) == [2, 3]
+    # Each run's description survives the merge, with the points it measured.
+    old["rounds"], old["created"] = 7, "2026-01-01T00:00:00+00:00"
+    merged = merge_entry(old, new)
+    assert merged["rounds"] == 1 and [r["rounds"] for r in merged["runs"]] == [7, 1]
+    assert merged["runs"][0]["created"] == "2026-01-01T00:00:00+00:00"
+    assert merged["runs"][0]["points"] == ["forward B=1 G=2 1x1"] and merged["runs"][1]["points"] == ["forward B=1 G=3 1x1"]
+    again = merge_entry(merged, new)
+    assert [r["rounds"] for r in again["runs"]] == [7, 1, 1]
+    assert len(merge_entry({**merged, "runs": merged["runs"] * 40}, new)["runs"]) == tuning.MAX_RUNS
 
 
 def test_peak_memory_counts_temporaries():
@@ -453,10 +462,25 @@ def test_tune_rematches_a_winner_the_prior_table_disputes(monkeypatch, second, k
     (m,) = e["measurements"]
     # The rematch times exactly the disputed pair, with more rounds than the grid pass.
     assert calls == [(["bmm", "loop"], 3), (["bmm", "loop"], 3 * tuning.REMATCH_ROUNDS_FACTOR)]
-    assert m["times_us"] == second and min(m["times_us"], key=m["times_us"].get) == kept
-    assert m["rematch"] == {"first_us": {"loop": 1.0, "bmm": 2.0}, "kept": kept}
+    # The rematch's ratio at the first pass's level: the pair's geometric mean stays sqrt(2).
+    scale = (2.0 / (second["loop"] * second["bmm"])) ** 0.5
+    assert m["times_us"] == pytest.approx({n: t * scale for n, t in second.items()}, abs=1e-3)
+    assert min(m["times_us"], key=m["times_us"].get) == kept
+    assert m["rematch"] == {"first_us": {"loop": 1.0, "bmm": 2.0}, "rematch_us": second, "kept": kept}
     assert e["rematched"] == {"points": 1, "overturned": int(kept == "bmm"), "prior": "other machine",
                               "rounds": 3 * tuning.REMATCH_ROUNDS_FACTOR}
+
+
+def test_a_slower_rematch_does_not_hand_the_point_to_a_third_backend(monkeypatch):
+    # First pass: loop 1.0, dense 1.05, bmm 2.0. The rematch confirms loop ahead of bmm by
+    # the same ratio, but on a machine running 1.5x slower: unscaled, loop's 1.5 would put
+    # dense (never rematched) first.
+    _scripted_measure(monkeypatch, {"loop": 1.0, "dense": 1.05, "bmm": 2.0}, {"loop": 1.5, "bmm": 3.0})
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm", "dense"], rounds=3, min_time=0.0,
+             prior=_prior("bmm"))
+    (m,) = e["measurements"]
+    assert m["times_us"] == pytest.approx({"loop": 1.0, "dense": 1.05, "bmm": 2.0}, abs=1e-3)
+    assert min(m["times_us"], key=m["times_us"].get) == "loop"
 
 
 def test_tune_does_not_rematch_where_the_prior_agrees_or_when_told_not_to(monkeypatch):
