@@ -109,6 +109,14 @@ def environment() -> dict:
     return env
 
 
+def _timed_out(e: subprocess.TimeoutExpired, timeout: float) -> str:
+    """What a timed-out child printed (``TimeoutExpired`` holds bytes even with ``text=True``)."""
+    def s(b) -> str:
+        return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+    return f"{s(e.stdout)}{s(e.stderr)}\nTIMED OUT after {timeout:.0f}s"
+
+
 def run_pytest(out: Path, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE", "tests"]
     log(f"pytest: {' '.join(cmd[1:])} (timeout {timeout:.0f}s)")
@@ -118,8 +126,8 @@ def run_pytest(out: Path, timeout: float) -> dict:
                            capture_output=True, text=True, timeout=timeout)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {timeout:.0f}s", None
-    write_atomic(out / "pytest.log", text if isinstance(text, str) else text.decode())
+        text, rc = _timed_out(e, timeout), None
+    write_atomic(out / "pytest.log", text)
     lines = [ln for ln in str(text).splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b.* in [\d.]+s", ln)), "")
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
@@ -263,8 +271,7 @@ def run_cli(out: Path, name: str, argv: list[str], timeout: float, result: str |
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        text, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after {timeout:.0f}s", None
-    text = text.decode() if isinstance(text, bytes) else str(text)
+        text, rc = _timed_out(e, timeout), None
     write_atomic(out / f"{name}.log", text)
     res = {"argv": argv, "rc": rc, "output_tail": text[-3000:]}
     if result is not None and (out / result).exists():
