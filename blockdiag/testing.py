@@ -7,7 +7,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
-__all__ = ["reference_loop", "reference_scipy", "tolerances", "devices", "DTYPES_CPU"]
+__all__ = ["reference_loop", "reference_scipy", "tolerances", "backend_tolerances", "computes_in_tf32", "devices", "DTYPES_CPU"]
 
 DTYPES_CPU = (torch.float32, torch.float64)
 
@@ -60,6 +60,36 @@ def tolerances(dtype: torch.dtype, k: int = 1, magnitude: float = 1.0) -> dict:
     }[dtype]
     scale = max(1.0, k**0.5 / 4)
     return {"atol": base[0] * scale * max(1.0, float(magnitude)), "rtol": base[1] * scale}
+
+
+def computes_in_tf32(name: str, problem) -> bool:
+    """Whether backend ``name`` computes ``problem``'s float32 product in TF32 (on CUDA).
+
+    torch's Triton BSR kernel always uses TF32 for float32, and cuDNN convolutions do while
+    ``torch.backends.cudnn.allow_tf32`` is True (torch's default). TF32 keeps float16's
+    10-bit mantissa.
+
+    >>> from blockdiag.backends import Problem
+    >>> computes_in_tf32("conv", Problem(8, 2, 4, 4))  # CPU: never
+    False
+    """
+    from .backends.bsr import triton_applies
+
+    return problem.device == "cuda" and problem.dtype == torch.float32 and (
+        (name == "bsr" and triton_applies(problem))
+        or (name == "conv" and torch.backends.cudnn.allow_tf32)
+    )
+
+
+def backend_tolerances(name: str, problem, k: int = 1, magnitude: float = 1.0) -> dict:
+    """:func:`tolerances` for ``problem.dtype``, or float16's where ``name`` computes it in TF32.
+
+    >>> from blockdiag.backends import Problem
+    >>> backend_tolerances("loop", Problem(8, 2, 4, 4)) == tolerances(torch.float32)
+    True
+    """
+    dtype = torch.float16 if computes_in_tf32(name, problem) else problem.dtype
+    return tolerances(dtype, k, magnitude)
 
 
 def devices() -> list[str]:

@@ -52,8 +52,7 @@ import torch  # noqa: E402
 import blockdiag  # noqa: E402
 from blockdiag import Problem, grouped_linear  # noqa: E402
 from blockdiag.backends import get, names  # noqa: E402
-from blockdiag.backends.bsr import triton_applies  # noqa: E402
-from blockdiag.testing import reference_loop, tolerances  # noqa: E402
+from blockdiag.testing import computes_in_tf32, reference_loop, tolerances  # noqa: E402
 
 T0 = time.perf_counter()
 # The device checked; ``--device cpu`` is a dry run of the script itself on a machine without one.
@@ -142,12 +141,6 @@ def _inputs(n, g, i, o, dtype):
     return x, w, b
 
 
-def _uses_tf32(name: str, p: Problem) -> bool:
-    return p.dtype == torch.float32 and (
-        (name == "bsr" and triton_applies(p)) or (name == "conv" and torch.backends.cudnn.allow_tf32)
-    )
-
-
 def check_correctness() -> list[dict]:
     rows = []
     for dname, dtype in DTYPES.items():
@@ -168,7 +161,7 @@ def check_correctness() -> list[dict]:
                     xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
                     yd = reference_loop(xd, wd, bd)
                     want = torch.autograd.grad((yd * r.double()).sum(), (xd, wd, bd))
-                    tdt = torch.float16 if _uses_tf32(name, p) else dtype
+                    tdt = torch.float16 if computes_in_tf32(name, p) else dtype
                     ok, errs = True, {}
                     for key, a, e, k in [("y", y.detach(), yd.detach(), i)] + list(zip(("dx", "dw", "db"), got, want, (o, n, n))):
                         mag = float(e.abs().max()) if e.numel() else 1.0

@@ -15,22 +15,6 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
 
 
-def backend_tolerances(name, p, k, magnitude=1.0):
-    """``blockdiag.testing.tolerances`` for ``p.dtype``, or TF32's where torch computes it in TF32.
-
-    On CUDA, torch's Triton BSR kernel always uses TF32 for float32, and cuDNN convolutions
-    do while ``torch.backends.cudnn.allow_tf32`` is True (torch's default); TF32 keeps
-    float16's 10-bit mantissa, so float16's tolerances apply.
-    """
-    from blockdiag.backends.bsr import triton_applies
-    from blockdiag.testing import tolerances
-
-    tf32 = p.device == "cuda" and p.dtype == torch.float32 and (
-        (name == "bsr" and triton_applies(p)) or (name == "conv" and torch.backends.cudnn.allow_tf32)
-    )
-    return tolerances(torch.float16 if tf32 else p.dtype, k, magnitude)
-
-
 @contextlib.contextmanager
 def backend_spy():
     """Record which backends run (each registered kernel wrapped), for the ``with`` block."""

@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 import blockdiag
 from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
-from blockdiag.testing import reference_loop, reference_scipy, tolerances
+from blockdiag.testing import backend_tolerances, reference_loop, reference_scipy, tolerances
 
-from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy, backend_tolerances
+from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy
 
 
 BACKENDS = [pytest.param(n, id=n) for n in names()]

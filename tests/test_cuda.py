@@ -17,9 +17,9 @@ import blockdiag
 from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.backends.bsr import triton_applies
-from blockdiag.testing import reference_loop, tolerances
+from blockdiag.testing import backend_tolerances, reference_loop, tolerances
 
-from _params import CUDA_MARKS, backend_tolerances
+from _params import CUDA_MARKS
 
 pytestmark = CUDA_MARKS
 
