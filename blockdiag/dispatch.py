@@ -190,7 +190,7 @@ def choose(problem: Problem) -> Plan:
     if plan is None:
         if len(_cache) > 4096:
             _cache.clear()
-        label = "built-in table" if source == "built-in defaults" else "tuning profile"
+        label = "built-in table" if source == _profile.BUILTIN_SOURCE else "tuning profile"
         plan = _cache[key] = _rank(problem, _resolved_settings(entry, label), source, entry)
     return plan
 
@@ -215,7 +215,7 @@ def builtin_plan(problem: Problem) -> Plan:
         a :class:`Plan` whose ``source`` is ``"built-in defaults"``.
     """
     entry = _profile.builtin_entry(problem.device, problem.dtype)
-    return _rank(problem, _resolved_settings(entry, "built-in table"), "built-in defaults", entry)
+    return _rank(problem, _resolved_settings(entry, "built-in table"), _profile.BUILTIN_SOURCE, entry)
 
 
 def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:

@@ -54,6 +54,9 @@ __all__ = [
 # process within this many seconds.
 RECHECK_S = 1.0
 
+# The source a plan names when the built-in table ranked it (``load_entry``, ``Plan.source``).
+BUILTIN_SOURCE = "built-in defaults"
+
 
 class ProfileWarning(UserWarning):
     """A tuning profile was corrupt or stale and the built-in defaults are used instead."""
@@ -207,7 +210,7 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
                 f"tuning profile {p} is stale: it has no entry for {key!r} "
                 f"(it has {', '.join(map(repr, doc['entries'])) or 'none'}); run `blockdiag tune`",
             )
-    return builtin_entry(device, dtype), "built-in defaults"
+    return builtin_entry(device, dtype), BUILTIN_SOURCE
 
 
 _entry_cache: dict = {}

@@ -524,8 +524,9 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
     scaled so that the pair's geometric mean stays the first pass's. The other backends'
     times are from the first pass, and a machine that ran slower (or faster) during the
     rematch must not move the pair past them: run R on the project's VM (docs/tuning.md)
-    rematched `loop` against `simd` 3% slower overall than the first pass, and unscaled that
-    handed the point to a third backend neither had been timed against.
+    rematched `loop` against `simd` on a machine at least 3% slower than during the first
+    pass, and unscaled that handed the point to a third backend neither had been timed
+    against.
     ``m["rematch"]`` records the first pass's times, the rematch's own and the outcome. A
     backend that raises in the rematch keeps its first time (and then nothing is scaled).
 
@@ -730,7 +731,7 @@ def bench(
         choice = plan.backend
         # Under a tuning profile, what the built-in table would have run: its time is in
         # times_us (every backend is timed), so the profile is judged against it in one run.
-        builtin = builtin_plan(p).backend if plan.source != "built-in defaults" else None
+        builtin = builtin_plan(p).backend if plan.source != _profile.BUILTIN_SOURCE else None
         # Every backend is timed through the same public entry point as auto, so that
         # auto/fastest measures the choice; the choice's bare kernel is timed as well, so
         # that auto/kernel measures what the dispatch itself costs.
