@@ -12,49 +12,36 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ._registry import first_order_only
+from ..ops import OpEntry, define
 
 # spmm(w [G, r, c], dense [G*c, K]) -> [G*r, K]: block-diagonal(w) @ dense via a sparse layout.
 SpMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class _SparseBlockLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, spmm: SpMM, name: str):
-        ctx.spmm = spmm
-        ctx.backend_name = name
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+def sparse_entry(name: str, spmm: SpMM) -> OpEntry:
+    """The ops of a sparse-layout backend whose block-diagonal product is ``spmm``."""
+
+    def forward(x, weight, bias):
         # y^T = W_bd @ x^T: torch's sparse kernels take the sparse operand on the left.
         yt = spmm(weight, x.t())
         if bias is not None:
             yt = yt + bias[:, None]
         return yt.t()
 
-    @staticmethod
-    @first_order_only
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+    def backward(dy, x, weight, has_bias, need_x, need_w):
         g, o, i = weight.shape
         n = x.shape[0]
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if need_x:
             # dX^T = W_bd^T @ dY^T, the transposed blocks in the same sparse layout.
-            dx = ctx.spmm(weight.transpose(1, 2).contiguous(), dy.t()).t()
-        if ctx.needs_input_grad[1]:
+            dx = spmm(weight.transpose(1, 2).contiguous(), dy.t()).t()
+        if need_w:
             dyg = dy.reshape(n, g, o).permute(1, 2, 0)  # [G, out, N]
             xg = x.reshape(n, g, i).transpose(0, 1)  # [G, N, in]
             dw = torch.bmm(dyg, xg)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if has_bias:
             db = dy.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, db
 
-
-def sparse_block_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spmm: SpMM, name: str
-) -> torch.Tensor:
-    """``x @ block_diag(*weight).T + bias`` with ``spmm`` doing the block-diagonal product."""
-    return _SparseBlockLinear.apply(x, weight, bias, spmm, name)
+    return define(OpEntry(name, forward, backward))

@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
-from .bmm import _Bmm, fm_forward_with
+from .bmm import bmm_fm_forward
 
-
-_BmmFmBmm = fm_forward_with(_Bmm.backward, "_BmmFmBmm")
-
-
-def bmm_fm_bmm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``bmm_fm``'s forward with ``bmm``'s backward (the same values as either)."""
-    return _BmmFmBmm.apply(x, weight, bias)
+# bmm's backward is ``ops.generic_backward`` (backward=None).
+bmm_fm_bmm = define(OpEntry("bmm_fm_bmm", bmm_fm_forward, traceable=True))
 
 
 BACKEND = register(

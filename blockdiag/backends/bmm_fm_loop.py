@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
-from .bmm import fm_forward_with
+from .bmm import bmm_fm_forward
 from .loop import _backward
 
-
-_BmmFmLoop = fm_forward_with(_backward, "_BmmFmLoop")
-
-
-def bmm_fm_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``bmm_fm``'s forward with ``loop``'s backward (the same values as either)."""
-    return _BmmFmLoop.apply(x, weight, bias)
+bmm_fm_loop = define(OpEntry("bmm_fm_loop", bmm_fm_forward, _backward, traceable=True))
 
 
 BACKEND = register(

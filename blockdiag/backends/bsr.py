@@ -27,7 +27,7 @@ import torch
 
 from ..construct import _sparse_bsr, square_blocksize
 from ._registry import F32_F64, FLOATS, Backend, Problem, register
-from ._sparse import sparse_block_linear
+from ._sparse import sparse_entry
 
 # The dtypes torch's Triton BSR kernel accepts (torch/sparse/_triton_ops.py, check_dtype).
 TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -65,9 +65,7 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return _sparse_bsr(w.contiguous(), (s, s)) @ dense
 
 
-def bsr(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ block_diag_bsr(weight, square blocks).T + bias``; compact per-block weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm, "bsr")
+bsr = sparse_entry("bsr", _spmm)
 
 
 def triton_applies(p: Problem) -> bool:

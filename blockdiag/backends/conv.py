@@ -5,15 +5,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
 
 
-def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``conv1d(x[N, G*in, 1], weight.view(G*out, in, 1), bias, groups=G)``."""
     g, o, i = weight.shape
     n = x.shape[0]
     y = F.conv1d(x.reshape(n, g * i, 1), weight.reshape(g * o, i, 1), bias, groups=g)
     return y.view(n, g * o)
+
+
+def _backward(gy, x, weight, has_bias, need_x, need_w):
+    """The convolution's own backward (oneDNN / cuDNN), as autograd would call it."""
+    g, o, i = weight.shape
+    n = x.shape[0]
+    gx, gw, gb = torch.ops.aten.convolution_backward(
+        gy.reshape(n, g * o, 1), x.reshape(n, g * i, 1), weight.reshape(g * o, i, 1),
+        [g * o] if has_bias else None, [1], [0], [1], False, [0], g, [need_x, need_w, has_bias],
+    )
+    return (
+        gx.view(n, g * i) if need_x else None,
+        gw.view(g, o, i) if need_w else None,
+        gb if has_bias else None,
+    )
+
+
+conv = define(OpEntry("conv", _forward, _backward, traceable=True))
 
 
 def _constraint(p) -> str | None:

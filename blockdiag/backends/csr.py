@@ -6,16 +6,14 @@ import torch
 
 from ..construct import _sparse_csr
 from ._registry import F32_F64, FLOATS, Backend, register
-from ._sparse import sparse_block_linear
+from ._sparse import sparse_entry
 
 
 def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return torch.sparse.mm(_sparse_csr(w.contiguous()), dense)
 
 
-def csr(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ block_diag_csr(weight).T + bias``; compact per-block weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm, "csr")
+csr = sparse_entry("csr", _spmm)
 
 
 BACKEND = register(

@@ -19,9 +19,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from ._registry import Backend, Problem, first_order_only, register
+from ..ops import OpEntry, define
+from ._registry import Backend, Problem, register
 
 # TMA transfers need 16-byte alignment of base pointers and leading strides.
 _ALIGN_BYTES = 16
@@ -47,40 +47,32 @@ def _gmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return op(a, b)
 
 
-class _GroupedMMLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        g, o, i = weight.shape
-        n = x.shape[0]
-        ctx.save_for_backward(x, weight)
-        ctx.backend_name = "grouped_mm"
-        xg = x.view(n, g, i).transpose(0, 1)  # [G, N, in], row-major rows of stride G*in
-        y = _gmm(xg, weight.transpose(1, 2))  # [G, in, out] read column-major
-        return y.transpose(0, 1).reshape(n, g * o)
-
-    @staticmethod
-    @first_order_only
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        g, o, i = weight.shape
-        n = x.shape[0]
-        dyg = _aligned(dy).view(n, g, o).transpose(0, 1)  # [G, N, out]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _gmm(dyg, weight).transpose(0, 1).reshape(n, g * i)
-        if ctx.needs_input_grad[1]:
-            # dW[g] = dY[:, g]^T @ X[:, g]: compact [G, out, in], never the dense matrix.
-            dw = _gmm(dyg.transpose(1, 2), x.view(n, g, i).transpose(0, 1))
-        return dx, dw
-
-
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ block_diag(*weight).T + bias`` as one grouped GEMM (bias added after: the op has none)."""
-    y = _GroupedMMLinear.apply(_aligned(x), _aligned(weight))
-    if bias is not None:
-        y = y + bias
-    return y
+    g, o, i = weight.shape
+    n = x.shape[0]
+    xg = _aligned(x).view(n, g, i).transpose(0, 1)  # [G, N, in], row-major rows of stride G*in
+    y = _gmm(xg, _aligned(weight).transpose(1, 2)).transpose(0, 1).reshape(n, g * o)  # [G, in, out] read column-major
+    return y if bias is None else y + bias
+
+
+def _backward(dy, x, weight, has_bias, need_x, need_w):
+    g, o, i = weight.shape
+    n = x.shape[0]
+    x, weight = _aligned(x), _aligned(weight)
+    dyg = _aligned(dy).view(n, g, o).transpose(0, 1)  # [G, N, out]
+    dx = dw = db = None
+    if need_x:
+        dx = _gmm(dyg, weight).transpose(0, 1).reshape(n, g * i)
+    if need_w:
+        # dW[g] = dY[:, g]^T @ X[:, g]: compact [G, out, in], never the dense matrix.
+        dw = _gmm(dyg.transpose(1, 2), x.view(n, g, i).transpose(0, 1))
+    if has_bias:
+        db = dy.sum(0)
+    return dx, dw, db
+
+
+grouped_mm = define(OpEntry("grouped_mm", _forward, _backward))
 
 
 def _probe() -> str | None:

@@ -21,77 +21,61 @@ Per-group ``mm`` writes stay for the output and the input gradient: those are th
 ``[N, G*in]``/``[N, G*out]`` tensors, and a batched product would need a second buffer and
 a transposing copy.
 
-The backward is differentiable again (``create_graph=True``): then it is computed from
-differentiable ops instead of ``out=`` writes.
+The kernels are the ops ``blockdiag::loop`` and ``blockdiag::loop_backward``; under
+``create_graph=True`` the backward is computed from differentiable ops instead of ``out=``
+writes (see :mod:`blockdiag.ops`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops import OpEntry, define
+from ..ops._define import fake_rows as _fake_rows
 from ._registry import FLOATS, Backend, register
 
 
-class _Loop(torch.autograd.Function):
-    # Per-group views come from one ``split``/``unbind`` each (one op for all groups rather
-    # than a slice per group), which keeps the Python cost per group to the GEMM call.
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        g, o, i = weight.shape
-        y = x.new_empty(x.shape[0], g * o)
-        xs, ys, wts = x.split(i, dim=1), y.split(o, dim=1), weight.transpose(1, 2).unbind(0)
-        if bias is None:
-            for k in range(g):
-                torch.mm(xs[k], wts[k], out=ys[k])
-        else:
-            bs = bias.split(o)
-            for k in range(g):
-                torch.addmm(bs[k], xs[k], wts[k], out=ys[k])
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        return _backward(ctx, gy)
-
-
-def _backward(ctx, gy):
-    """Input gradient per group into its slice; weight gradient as one ``bmm`` on views."""
-    x, weight = ctx.saved_tensors
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel: per-group views from one ``split``/``unbind`` each, GEMMs written in place."""
     g, o, i = weight.shape
-    need_x, need_w, need_b = ctx.needs_input_grad
+    if i == 0 or o == 0:
+        # Blocks with an empty side: split() takes no size 0, and the block-diagonal matrix
+        # is empty, so the product is the bias alone (or nothing).
+        return torch.nn.functional.linear(x, weight.reshape(g * o, g * i), bias)
+    y = x.new_empty(x.shape[0], g * o)
+    xs, ys, wts = x.split(i, dim=1), y.split(o, dim=1), weight.transpose(1, 2).unbind(0)
+    if bias is None:
+        for k in range(g):
+            torch.mm(xs[k], wts[k], out=ys[k])
+    else:
+        bs = bias.split(o)
+        for k in range(g):
+            torch.addmm(bs[k], xs[k], wts[k], out=ys[k])
+    return y
+
+
+def _backward(gy, x, weight, has_bias, need_x, need_w):
+    """Input gradient per group into its slice; weight gradient as one ``bmm`` on views."""
+    g, o, i = weight.shape
     gx = gw = gb = None
     n = x.shape[0]
-    gys = gy.split(o, dim=1)
     if need_x and (i == 0 or o == 0):
-        gx = torch.zeros_like(x)  # blocks with an empty side (bmm_fm_loop's forward ran)
+        gx = torch.zeros_like(x)  # blocks with an empty side
     elif need_x:
-        if torch.is_grad_enabled():
-            # create_graph=True: build the gradient from differentiable ops.
-            gx = torch.cat([gys[k] @ weight[k] for k in range(g)], dim=1)
-        else:
-            gx = x.new_empty(x.shape)
-            gxs, ws = gx.split(i, dim=1), weight.unbind(0)
-            for k in range(g):
-                torch.mm(gys[k], ws[k], out=gxs[k])
+        gys = gy.split(o, dim=1)
+        gx = x.new_empty(x.shape)
+        gxs, ws = gx.split(i, dim=1), weight.unbind(0)
+        for k in range(g):
+            torch.mm(gys[k], ws[k], out=gxs[k])
     if need_w:
         # Splitting one dimension is always a view, whatever gy's and x's strides.
         gw = torch.bmm(gy.view(n, g, o).permute(1, 2, 0), x.view(n, g, i).transpose(0, 1))
-    if ctx.has_bias and need_b:
+    if has_bias:
         gb = gy.sum(0)
     return gx, gw, gb
 
 
-def loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``."""
-    g, o, i = weight.shape
-    if i == 0 or o == 0:
-        # Blocks with an empty side: split() takes no size 0, and the block-diagonal matrix
-        # is empty, so the product is the bias alone (or nothing), which one linear of the
-        # [G*out, G*in] matrix (0 elements either way) gives, gradients included.
-        return torch.nn.functional.linear(x, weight.reshape(g * o, g * i), bias)
-    return _Loop.apply(x, weight, bias)
+loop = define(OpEntry("loop", _forward, _backward, fake=_fake_rows))
 
 
 BACKEND = register(

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from ._registry import F32_F64, Backend, Problem, register
-from .bmm import call_compiled, compiled_function
+from ..ops import OpEntry, define
+from .bmm import _fm_backward, bmm_fm_forward
 
 # CBLAS enum values (cblas.h): row-major layout, no transpose, transpose.
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -132,15 +133,15 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     return y
 
 
-def _backward(ctx, gy):
+def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     """The three gradient products, computed by MKL (first order)."""
-    x, weight = ctx.saved_tensors
     g, o, i = weight.shape
     n = x.shape[0]
+    if x.numel() == 0 or weight.numel() == 0:
+        return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
     x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
     weight = weight.contiguous()
     gy, ldy = _rows(gy, g * o)
-    need_x, need_w, need_b = ctx.needs_input_grad
     gx = gw = gb = None
     if need_x:
         # gx_g [N, in] = gy_g [N, out] @ W_g [out, in], written into its columns of gx.
@@ -150,18 +151,26 @@ def _backward(ctx, gy):
         # gw_g [out, in] = gy_g^T @ x_g: the weight's own layout.
         gw = weight.new_empty(g, o, i)
         _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, ldy, x, i, ldx, gw, o * i, i, g)
-    if ctx.has_bias and need_b:
+    if has_bias:
         gb = gy.sum(0)
     return gx, gw, gb
 
 
-_MklBatch = compiled_function(_forward, _backward, "_MklBatch", "mkl_batch")
-
-
-def mkl_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, one MKL batch call."""
-    return call_compiled("mkl_batch", _check, "this torch build's MKL cannot be used, choose another backend",
-                         _MklBatch, _forward, x, weight, bias)
+    if x.numel() == 0 or weight.numel() == 0:
+        return bmm_fm_forward(x, weight, bias)  # empty or bias-only: torch's ops
+    return _forward(x, weight, bias)
+
+
+def _operands_check(x, weight, bias) -> Optional[str]:
+    if x.numel() == 0 or weight.numel() == 0:
+        return None
+    why = self_check(x.dtype)
+    return None if why is None else f"{why}; this torch build's MKL cannot be used, choose another backend"
+
+
+mkl_batch = define(OpEntry("mkl_batch", _kernel_forward, _kernel_backward, native=True, check=_operands_check))
 
 
 def _probe() -> Optional[str]:
@@ -170,6 +179,11 @@ def _probe() -> Optional[str]:
     # fork next (asv's benchmark server, DataLoader workers); a forked child then hangs in
     # its first parallel torch op. The numerical check waits for the first real call.
     return _kernels()[1]
+
+
+def self_check(dtype: torch.dtype) -> Optional[str]:
+    """Why MKL's batched GEMM cannot be used for ``dtype`` here (unavailable or failed check), or None."""
+    return _kernels()[1] or _check()
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,7 +61,8 @@ from typing import Optional
 import torch
 
 from ._registry import F32_F64, Backend, register
-from .bmm import call_compiled, compiled_function
+from ..ops import OpEntry, define
+from .bmm import _fm_backward, bmm_fm_forward
 
 # Bumped with _simd.c's bd_abi_version() whenever an exported signature changes.
 _ABI = 1
@@ -214,34 +215,46 @@ def _grad_weight(gy: torch.Tensor, x: torch.Tensor, shape, with_bias: bool):
     return gw, gb
 
 
-def _backward(ctx, gy):
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in the C kernels."""
+    if x.numel() == 0 or weight.numel() == 0:
+        return bmm_fm_forward(x, weight, bias)  # empty or bias-only: torch's ops
+    return _forward(x, weight, bias)
+
+
+def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     """The gradients, computed by the kernels (first order)."""
-    x, weight = ctx.saved_tensors
+    if x.numel() == 0 or weight.numel() == 0:
+        return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
     weight = weight.contiguous()
     gy = _cols(gy)
-    need_x, need_w, need_b = ctx.needs_input_grad
-    need_b = need_b and ctx.has_bias
     gx = _grad_input(gy, weight) if need_x else None
     gw = gb = None
     if need_w:
-        gw, gb = _grad_weight(gy, _cols(x), weight.shape, need_b)
-    elif need_b:
+        gw, gb = _grad_weight(gy, _cols(x), weight.shape, has_bias)
+    elif has_bias:
         gb = gy.sum(0)
     return gx, gw, gb
 
 
-_Simd = compiled_function(_forward, _backward, "_Simd", "simd")
+def _operands_check(x, weight, bias) -> Optional[str]:
+    if x.numel() == 0 or weight.numel() == 0:
+        return None
+    why = self_check(x.dtype)
+    return None if why is None else f"{why}; choose another backend"
 
 
-def simd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in blockdiag's C kernels."""
-    return call_compiled("simd", lambda: _library()[1] or _check(), "choose another backend", _Simd, _forward,
-                         x, weight, bias)
+simd = define(OpEntry("simd", _kernel_forward, _kernel_backward, native=True, check=_operands_check))
 
 
 def _probe() -> Optional[str]:
     # Compiles and loads, runs nothing (see the module docstring: fork safety).
     return _library()[1]
+
+
+def self_check(dtype: torch.dtype) -> Optional[str]:
+    """Why the kernels cannot be used for ``dtype`` here (unavailable or failed check), or None."""
+    return _library()[1] or _check()
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ import torch
 
 from ..construct import _layout_of
 from ._registry import F32_F64, Backend, Problem, register
-from ._sparse import sparse_block_linear
+from ._sparse import sparse_entry
 
 
 def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -38,9 +38,7 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return matmul(st, dense, reduce="sum")
 
 
-def torch_sparse(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ block_diag(*weight).T + bias`` through torch-sparse's SpMM; compact weight gradient."""
-    return sparse_block_linear(x, weight, bias, _spmm, "torch_sparse")
+torch_sparse = sparse_entry("torch_sparse", _spmm)
 
 
 @functools.lru_cache(maxsize=None)

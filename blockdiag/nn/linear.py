@@ -15,6 +15,8 @@ from .. import profile as _profile
 from .. import settings as _settings
 from ..backends._registry import _REGISTRY
 from ..dispatch import Plan, plan_for
+from ..ops import OpEntry, plain_eager
+from ..ops.auto import auto as _auto_op
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -102,7 +104,9 @@ def grouped_linear(
             backend that cannot run this input.
     """
     x, weight, bias = _autocast(x, weight, bias)
-    return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+    if plain_eager(x, weight, bias):
+        return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+    return _run_op("grouped_linear", backend, x, weight, bias)
 
 
 # The per-call fast path. Everything the plan depends on is in the key: the shapes, dtypes
@@ -163,6 +167,38 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     # The row count, not -1: reshape cannot infer it when a block has no columns.
     y = get(name).fn(x.reshape(lead.numel(), g * i), weight, bias)
     return y.reshape(*lead, g * o)
+
+
+def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product through the registered ops: traced graphs, transforms, modes and subclasses.
+
+    Nothing here reads the batch size as a number, so a graph traced with a symbolic batch
+    stays general: ``auto`` becomes the ``blockdiag::auto`` op, which plans per call at run
+    time (see :mod:`blockdiag.ops.auto`), and a named backend's op checks at run time that
+    the backend accepts the operands. Only the checks that need no data or batch run here.
+    """
+    for arg, t in (("input", x), ("weight", weight), ("bias", bias)):
+        check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    g, o, i = weight.shape
+    check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
+    check(
+        fn,
+        x.shape[-1] == g * i,
+        f"input has shape {tuple(x.shape)}; its last dimension must be in_features={g * i} "
+        f"(groups={g} x block_in={i})",
+    )
+    if bias is not None:
+        check(fn, tuple(bias.shape) == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
+    check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 else x.reshape(lead.numel(), g * i)
+    if backend == "auto":
+        y = _auto_op(x2, weight, bias, _records_grad(x, weight, bias))
+    else:
+        entry = get(backend, fn).fn
+        y = entry.call_op(x2, weight, bias) if isinstance(entry, OpEntry) else entry(x2, weight, bias)
+    return y if x.dim() == 2 else y.reshape(*lead, g * o)
 
 
 class GroupedLinear(nn.Module):
@@ -269,7 +305,9 @@ class GroupedLinear(nn.Module):
             BlockDiagError: see :meth:`plan`.
         """
         x, w, b = _autocast(x, self.weight, self.bias)
-        return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
+        if plain_eager(x, w, b):
+            return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
+        return _run_op(type(self).__name__, self._backend, x, w, b)
 
     def extra_repr(self) -> str:
         return (

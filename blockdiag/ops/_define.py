@@ -1,0 +1,470 @@
+"""How a backend becomes a registered torch operator: one forward op and one backward op each.
+
+For a backend ``name`` this module defines, in the ``blockdiag`` op namespace:
+
+* ``blockdiag::<name>(Tensor x, Tensor weight, Tensor? bias) -> Tensor``, the forward product
+  of a 2-D ``x [N, G*in]``;
+* ``blockdiag::<name>_backward(Tensor grad, Tensor x, Tensor weight, bool has_bias,
+  bool need_input, bool need_weight) -> (Tensor, Tensor, Tensor)``, the first-order
+  gradients of input, weight and bias (one not asked for comes back with 0 elements).
+
+Each has a fake kernel (exact shape, dtype, device and strides, no data access), so
+FakeTensor, meta, ``torch.compile`` and ``torch.export`` never reach a kernel; the forward op
+has its autograd (an ``autograd.Function`` with ``setup_context``, a ``jvp`` and a vmap rule)
+registered at the op's Autograd key, a batching rule (the vmapped copies become more groups of
+one product) and FLOP formulas for :class:`~torch.utils.flop_counter.FlopCounterMode`.
+
+Three routes reach a backend (:class:`OpEntry`):
+
+* eager on plain tensors (no tracing, transform, dispatch mode, tensor subclass, forward AD or
+  profiler): the kernel is called directly, inside the same ``autograd.Function`` when
+  autograd records. The dispatcher round trip of a Python op costs about as much as a small
+  product, and there is nothing for it to do here;
+* under a ``torch.func`` transform: a Python-level ``autograd.Function`` whose forward calls the
+  op (``torch.func`` cannot enter a Python autograd kernel from inside the dispatcher);
+* everything else (compile, export, ``jit.trace``, FakeTensor, meta, DTensor, forward AD,
+  profiler, dispatch modes): the registered op.
+
+The backward: the backend's own first-order kernels through its backward op; under
+``create_graph=True`` (double backward) or a ``torch.func`` transform, the batched-matmul
+formulas written in differentiable torch ops, for a backend declaring ``double_grad`` (a
+first-order backend refuses double backward with :class:`BlockDiagError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.autograd import forward_ad as _fwad
+
+from .._errors import BlockDiagError
+
+__all__ = ["LIB", "OpEntry", "define", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
+
+LIB = torch.library.Library("blockdiag", "DEF")
+
+FORWARD_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
+BACKWARD_SCHEMA = (
+    "(Tensor grad, Tensor x, Tensor weight, bool has_bias, bool need_input, bool need_weight) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ENTRIES: dict[str, "OpEntry"] = {}
+
+# fn(x [N, G*in], weight [G, out, in], bias [G*out] | None) -> y [N, G*out]
+Forward = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+# fn(grad, x, weight, has_bias, need_input, need_weight) -> (gx | None, gw | None, gb | None)
+Backward = Callable[..., tuple]
+
+
+def plain_eager(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a call may skip the dispatcher: plain eager tensors and nothing that observes ops.
+
+    Anything else (tracing, compile, export, a ``torch.func`` transform, a dispatch mode such as
+    FakeTensorMode or FlopCounterMode, forward AD, the profiler, a subclass such as DTensor,
+    the meta device) goes through the registered op, which every one of those understands.
+    """
+    # is_compiling() first: dynamo folds it to a constant, so it never traces the rest.
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and (bias is None or type(bias) in _PLAIN)
+        and not x.is_meta
+        and _fwad._current_level < 0
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch.autograd.profiler._is_profiler_enabled
+        and torch._C._get_tracing_state() is None
+    )
+
+
+def _records(x, weight, bias) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
+def generic_backward(gy, x, weight, has_bias, need_x, need_w, need_b):
+    """The gradients in differentiable torch ops (batched matmul on strided views).
+
+    ``gx_g = gy_g @ W_g``, ``gW_g = gy_g^T @ x_g``, ``gb = sum(gy)``: what double backward and
+    ``torch.func`` transforms differentiate through.
+    """
+    g, o, i = weight.shape
+    n = x.shape[0]
+    gyg = gy.reshape(n, g, o).transpose(0, 1)  # [G, N, out]
+    gx = gw = gb = None
+    if need_x:
+        gx = torch.bmm(gyg, weight).transpose(0, 1).reshape(n, g * i)
+    if need_w:
+        gw = torch.bmm(gyg.transpose(1, 2), x.reshape(n, g, i).transpose(0, 1))
+    if has_bias and need_b:
+        gb = gy.sum(0)
+    return gx, gw, gb
+
+
+def fake_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The fake kernel of a product written into a new row-major ``[N, G*out]``."""
+    g, o, _ = weight.shape
+    return x.new_empty(x.shape[0], g * o)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@dataclass(eq=False)
+class OpEntry:
+    """A backend's kernels and the ops registered for them; calling it runs the product.
+
+    Attributes:
+        name: the backend (and op) name.
+        forward: the forward kernel on a 2-D input, no autograd.
+        backward: the first-order gradient kernel, no autograd; None: :func:`generic_backward`.
+        fake: the fake kernel of the forward op; None: ``forward`` itself when ``traceable``
+            (torch ops only: it then gives exactly the strides the kernel gives), else a
+            contiguous ``[N, G*out]`` (the op then returns a contiguous result).
+        traceable: ``forward`` uses torch ops only, so it runs on FakeTensor and meta inputs.
+        native: the kernels hand data pointers to C: the op refuses anything but plain
+            strided CPU tensors with storage before they run.
+        check: ``check(x, weight, bias)`` returns why the kernels cannot run these operands
+            (e.g. a failed self-check), or None; run by the op before the kernel.
+    """
+
+    name: str
+    forward: Forward
+    backward: Optional[Backward] = None
+    fake: Optional[Forward] = None
+    traceable: bool = False
+    native: bool = False
+    check: Optional[Callable] = None
+
+    def __post_init__(self) -> None:
+        self.fwd_op = None
+        self.bwd_op = None
+        self._eager_fn = None
+        self._op_fn = None
+        self._py_fn = None
+
+    # The routes -------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if plain_eager(x, weight, bias):
+            return self.eager(x, weight, bias)
+        return self.call_op(x, weight, bias)
+
+    def eager(self, x, weight, bias):
+        """The kernel called directly (plain eager tensors): in the autograd Function if recording."""
+        if self.check is not None:
+            why = self.check(x, weight, bias)
+            if why is not None:
+                raise BlockDiagError(f"{self.name}: {why}")
+        if _records(x, weight, bias):
+            return self._eager_fn.apply(x, weight, bias)
+        return self.forward(x, weight, bias)
+
+    def call_op(self, x, weight, bias):
+        """The registered op (or, under a ``torch.func`` transform, the Function around it)."""
+        if torch._C._are_functorch_transforms_active():
+            return self._py_fn.apply(x, weight, bias)
+        return self.fwd_op(x, weight, bias)
+
+    # The kernels behind the ops ---------------------------------------------------------
+    def _guard(self, *named: tuple[str, Optional[torch.Tensor]]) -> None:
+        if not self.native:
+            return
+        for arg, t in named:
+            if t is None:
+                continue
+            if type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided:
+                raise BlockDiagError(
+                    f"{self.name}: {arg} must be a plain strided CPU tensor for the compiled kernels, got "
+                    f"{type(t).__name__} on {t.device} with layout {t.layout}"
+                )
+            if t.numel() > 0 and t.untyped_storage().data_ptr() == 0:
+                raise BlockDiagError(f"{self.name}: {arg} has no storage (shape {tuple(t.shape)})")
+
+    def _impl(self, x, weight, bias):
+        self._guard(("input", x), ("weight", weight), ("bias", bias))
+        _validate(self.name, x, weight, bias)
+        if self.check is not None:
+            why = self.check(x, weight, bias)
+            if why is not None:
+                raise BlockDiagError(f"{self.name}: {why}")
+        y = self.forward(x, weight, bias)
+        return y if self.traceable and self.fake is None else _contiguous(y)
+
+    def _fake(self, x, weight, bias):
+        if self.fake is not None:
+            return self.fake(x, weight, bias)
+        if self.traceable:
+            return self.forward(x, weight, bias)
+        g, o, _ = weight.shape
+        return x.new_empty(x.shape[0], g * o)
+
+    def run_backward(self, gy, x, weight, has_bias, need_x, need_w):
+        """The first-order kernels (or :func:`generic_backward` when the backend has none)."""
+        if self.backward is None:
+            return generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
+        return self.backward(gy, x, weight, has_bias, need_x, need_w)
+
+    def _bwd_impl(self, gy, x, weight, has_bias, need_x, need_w):
+        self._guard(("grad", gy), ("input", x), ("weight", weight))
+        gx, gw, gb = self.run_backward(gy, x, weight, has_bias, need_x, need_w)
+        return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
+
+    def _bwd_fake(self, gy, x, weight, has_bias, need_x, need_w):
+        g, o, i = weight.shape
+        empty = gy.new_empty(0)
+        return (
+            gy.new_empty(x.shape) if need_x else empty,
+            gy.new_empty(g, o, i) if need_w else gy.new_empty(0),
+            gy.new_empty(g * o) if has_bias else gy.new_empty(0),
+        )
+
+
+def _placeholders(gy, x, weight, has_bias, gx, gw, gb):
+    # An op cannot return None: a gradient not asked for is an empty tensor.
+    return (
+        gy.new_empty(0) if gx is None else _contiguous(gx),
+        gy.new_empty(0) if gw is None else _contiguous(gw),
+        gy.new_empty(0) if gb is None else _contiguous(gb),
+    )
+
+
+_VALID: dict = {}
+
+
+def _validate(name: str, x, weight, bias) -> None:
+    """Raise :class:`BlockDiagError` when backend ``name`` declines these operands (cached)."""
+    from ..backends import Problem, get
+
+    key = (name, x.shape, weight.shape, x.dtype, x.device.type, torch.is_grad_enabled())
+    if key in _VALID:
+        return
+    g, o, i = weight.shape
+    if x.dim() != 2 or x.shape[1] != g * i:
+        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    p = Problem(x.shape[0], g, i, o, x.dtype, x.device.type, False)
+    why = get(name).decline_reason(p)
+    if why is not None:
+        raise BlockDiagError(f"{name}: cannot run {p.describe()}: {why}")
+    if len(_VALID) > 4096:
+        _VALID.clear()
+    _VALID[key] = True
+
+
+def _differentiable_backward(name: str, ctx, gy):
+    """Double backward or a ``torch.func`` transform: the gradients in differentiable ops."""
+    from ..backends import get
+
+    if not torch._C._are_functorch_transforms_active() and not get(name).double_grad:
+        raise BlockDiagError(
+            f"{name}: the backward is first-order only and cannot be differentiated again "
+            f"(create_graph=True); use one of the backends that declare double_grad: "
+            + ", ".join(n for n in _ENTRIES if _double_grad(n))
+        )
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
+
+
+def _double_grad(name: str) -> bool:
+    from ..backends import registry
+
+    b = registry().get(name)
+    return b is not None and b.double_grad
+
+
+def _jvp(entry_call, ctx, tx, tw, tb):
+    """The product is linear in each operand: ``d(x W^T + b) = dx W^T + x dW^T + db``."""
+    x, weight = ctx.saved_tensors
+    out = None
+    if tx is not None:
+        out = entry_call(tx, weight, None)
+    if tw is not None:
+        t = entry_call(x, tw, tb)
+        out = t if out is None else out + t
+    elif tb is not None:
+        out = tb.expand(x.shape[0], tb.shape[0]) if out is None else out + tb
+    if out is None:
+        out = x.new_zeros(x.shape[0], weight.shape[0] * weight.shape[1])
+    return out
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs[:3]
+    ctx.save_for_backward(x, weight)
+    ctx.save_for_forward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _functions(entry: OpEntry) -> None:
+    """The three autograd Functions of ``entry``: eager (kernel), op autograd kernel, torch.func."""
+    name = entry.name
+
+    def backward_kernels(ctx, gy):
+        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return _differentiable_backward(name, ctx, gy)
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx, gw, gb = entry.run_backward(gy, x, weight, ctx.has_bias, need_x, need_w)
+        return gx, gw, (gb if need_b else None)
+
+    def backward_op(ctx, gy):
+        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return _differentiable_backward(name, ctx, gy)
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx, gw, gb = entry.bwd_op(gy, x, weight, ctx.has_bias, need_x, need_w)
+        return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(x, weight, bias):
+            return entry.forward(x, weight, bias)
+
+        setup_context = staticmethod(_setup)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return backward_kernels(ctx, gy)
+
+        @staticmethod
+        def jvp(ctx, tx, tw, tb):
+            return _jvp(entry, ctx, tx, tw, tb)
+
+    class OpAutograd(torch.autograd.Function):
+        # Applied by the op's Autograd kernel: the forward re-enters the dispatcher below
+        # autograd, so fake/meta/functional tensors reach the fake kernel, never the kernel.
+        @staticmethod
+        def forward(x, weight, bias, keyset):
+            with torch._C._AutoDispatchBelowAutograd():
+                return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            _setup(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return (*backward_op(ctx, gy), None)
+
+        @staticmethod
+        def jvp(ctx, tx, tw, tb, _keyset):
+            return _jvp(entry.call_op, ctx, tx, tw, tb)
+
+    class Functorch(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x, weight, bias):
+            return entry.fwd_op(x, weight, bias)
+
+        setup_context = staticmethod(_setup)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return backward_op(ctx, gy)
+
+        @staticmethod
+        def jvp(ctx, tx, tw, tb):
+            return _jvp(entry.call_op, ctx, tx, tw, tb)
+
+    entry._eager_fn, entry._op_fn, entry._py_fn = (
+        _named(cls, f"{name}_{suffix}") for cls, suffix in ((Eager, "Eager"), (OpAutograd, "Op"), (Functorch, "Func"))
+    )
+
+
+def _named(cls: type, name: str) -> type:
+    """``cls`` rebuilt under ``name``: autograd names the graph node (``<name>Backward``) at class creation."""
+    keep = ("forward", "setup_context", "backward", "jvp", "generate_vmap_rule")
+    return type(name, (torch.autograd.Function,), {k: v for k, v in vars(cls).items() if k in keep})
+
+
+def _vmap_rule(op):
+    """Batching rule: vmapped weights become more groups of one product; a vmapped input more rows."""
+
+    def rule(info, in_dims, x, weight, bias):
+        xd, wd, bd = in_dims
+        nb = info.batch_size
+        if wd is None and bd is None:
+            x = x.movedim(xd, 0)
+            y = op(x.reshape(nb * x.shape[1], x.shape[2]), weight, bias)
+            return y.reshape(nb, x.shape[1], y.shape[-1]), 0
+        w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+        g = w.shape[1]
+        wf = w.reshape(nb * g, w.shape[2], w.shape[3])
+        bf = None
+        if bias is not None:
+            bf = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, bias.shape[0])).reshape(-1)
+        if xd is None:
+            xf = x.repeat(1, nb)  # every copy of the groups reads the same input
+        else:
+            x = x.movedim(xd, 0)
+            xf = x.permute(1, 0, 2).reshape(x.shape[1], nb * x.shape[2])
+        y = op(xf, wf, bf)
+        return y.reshape(y.shape[0], nb, y.shape[1] // nb), 1
+
+    return rule
+
+
+def _flops_forward(x_shape, w_shape, *args, **kwargs) -> int:
+    g, o, i = w_shape
+    return 2 * x_shape[0] * g * i * o
+
+
+def _flops_backward(grad_shape, x_shape, w_shape, has_bias, need_input, need_weight, *args, **kwargs) -> int:
+    return (int(need_input) + int(need_weight)) * _flops_forward(x_shape, w_shape)
+
+
+def _register_flops(fwd, bwd) -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    register_flop_formula(fwd.overloadpacket)(_flops_forward)
+    register_flop_formula(bwd.overloadpacket)(_flops_backward)
+
+
+def define(entry: OpEntry) -> OpEntry:
+    """Register ``entry``'s forward and backward ops (``blockdiag::<name>[_backward]``)."""
+    name = entry.name
+    if name in _ENTRIES:
+        raise BlockDiagError(f"define: an op for backend {name!r} is already defined")
+    LIB.define(name + FORWARD_SCHEMA)
+    LIB.define(name + "_backward" + BACKWARD_SCHEMA)
+    entry.fwd_op = getattr(torch.ops.blockdiag, name).default
+    entry.bwd_op = getattr(torch.ops.blockdiag, name + "_backward").default
+    LIB.impl(name, entry._impl, "CompositeExplicitAutograd")
+    LIB.impl(name + "_backward", entry._bwd_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"blockdiag::{name}", entry._fake, lib=LIB)
+    torch.library.register_fake(f"blockdiag::{name}_backward", entry._bwd_fake, lib=LIB)
+    _functions(entry)
+
+    def autograd_kernel(keyset, x, weight, bias):
+        if _records(x, weight, bias) or _fwad._current_level >= 0:
+            return entry._op_fn.apply(x, weight, bias, keyset)
+        return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.call_op), lib=LIB)
+    _register_flops(entry.fwd_op, entry.bwd_op)
+    _ENTRIES[name] = entry
+    return entry
+
+
+def entries() -> dict[str, OpEntry]:
+    """The defined ops by backend name."""
+    return dict(_ENTRIES)
+
+
+def forward_op(name: str):
+    """The forward op ``torch.ops.blockdiag.<name>.default`` of backend ``name`` (or ``"auto"``)."""
+    return getattr(torch.ops.blockdiag, name).default
+
+
+def backward_op(name: str):
+    """The backward op ``torch.ops.blockdiag.<name>_backward.default`` of backend ``name`` (or ``"auto"``)."""
+    return getattr(torch.ops.blockdiag, name + "_backward").default

@@ -1,0 +1,185 @@
+"""``blockdiag::auto``: the chooser inside one op, for graphs that must serve every batch size.
+
+In eager mode ``backend="auto"`` plans in Python (``GroupedLinear``'s memo) and calls the chosen
+backend. A traced graph (``torch.compile``, ``torch.export``, ``jit.trace``) cannot do that
+without fixing the batch: the plan depends on it. So there the layer records this one op,
+whose kernel plans per call at run time, with the concrete batch, exactly as eager does
+(:func:`blockdiag.choose` on the same :class:`~blockdiag.Problem`, from the same cache), then runs
+the chosen backend's kernel. ``train`` (whether autograd records the product, which the plan
+keys on) is decided when tracing, where it is known. The backward op plans the same problem
+with ``train=True``, so it runs the backward of the backend the forward ran. Its fake kernel
+gives a contiguous ``[N, G*out]``, and the kernel returns one whichever backend ran.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import forward_ad as _fwad
+
+from ..backends import Problem, get
+from ._define import (
+    BACKWARD_SCHEMA,
+    LIB,
+    _contiguous,
+    _jvp,
+    _placeholders,
+    _records,
+    _named,
+    _setup,
+    entries,
+    generic_backward,
+)
+
+__all__ = ["auto", "choice"]
+
+LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
+LIB.define("auto_backward" + BACKWARD_SCHEMA)
+FORWARD = torch.ops.blockdiag.auto.default
+BACKWARD = torch.ops.blockdiag.auto_backward.default
+
+
+def choice(x: torch.Tensor, weight: torch.Tensor, train: bool) -> str:
+    """The backend ``auto`` runs for a 2-D ``x`` and ``weight`` (what eager ``auto`` picks)."""
+    from ..dispatch import choose
+
+    g, o, i = weight.shape
+    return choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train))).backend
+
+
+def _forward_kernel(name, x, weight, bias):
+    entry = entries().get(name)
+    if entry is None:  # a backend registered without ops: its function, without autograd
+        with torch.no_grad():
+            return get(name).fn(x, weight, bias)
+    entry._guard(("input", x), ("weight", weight), ("bias", bias))
+    if entry.check is not None:
+        why = entry.check(x, weight, bias)
+        if why is not None:
+            from .._errors import BlockDiagError
+
+            raise BlockDiagError(f"{name}: {why}")
+    return entry.forward(x, weight, bias)
+
+
+def _impl(x, weight, bias, train):
+    return _contiguous(_forward_kernel(choice(x, weight, train), x, weight, bias))
+
+
+def _fake(x, weight, bias, train):
+    g, o, _ = weight.shape
+    return x.new_empty(x.shape[0], g * o)
+
+
+def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
+    name = choice(x, weight, True)
+    entry = entries().get(name)
+    if entry is None:
+        gx, gw, gb = generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
+    else:
+        gx, gw, gb = entry.run_backward(gy, x, weight, has_bias, need_x, need_w)
+    return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
+
+
+def _bwd_fake(gy, x, weight, has_bias, need_x, need_w):
+    g, o, i = weight.shape
+    return (
+        gy.new_empty(x.shape) if need_x else gy.new_empty(0),
+        gy.new_empty(g, o, i) if need_w else gy.new_empty(0),
+        gy.new_empty(g * o) if has_bias else gy.new_empty(0),
+    )
+
+
+def _backward(ctx, gy):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        # auto always has a differentiable backward: double backward and torch.func use it.
+        return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
+    gx, gw, gb = BACKWARD(gy, x, weight, ctx.has_bias, need_x, need_w)
+    return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None)
+
+
+def _train_jvp(x, weight, bias):
+    return auto(x, weight, bias, False)
+
+
+class _OpAutograd(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, train, keyset):
+        with torch._C._AutoDispatchBelowAutograd():
+            return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return (*_backward(ctx, gy), None, None)
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, _train, _keyset):
+        return _jvp(_train_jvp, ctx, tx, tw, tb)
+
+
+class _Functorch(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, train):
+        return FORWARD(x, weight, bias, train)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return (*_backward(ctx, gy), None)
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, _train):
+        return _jvp(_train_jvp, ctx, tx, tw, tb)
+
+
+_OpAutograd = _named(_OpAutograd, "auto_Op")
+_Functorch = _named(_Functorch, "auto_Func")
+
+
+def _autograd_kernel(keyset, x, weight, bias, train):
+    if _records(x, weight, bias) or _fwad._current_level >= 0:
+        return _OpAutograd.apply(x, weight, bias, train, keyset)
+    return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
+
+
+def _vmap(info, in_dims, x, weight, bias, train):
+    from ._define import _vmap_rule
+
+    return _vmap_rule(lambda a, b, c: FORWARD(a, b, c, train))(info, in_dims[:3], x, weight, bias)
+
+
+LIB.impl("auto", _impl, "CompositeExplicitAutograd")
+LIB.impl("auto_backward", _bwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
+torch.library.register_fake("blockdiag::auto_backward", _bwd_fake, lib=LIB)
+LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
+torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    from ._define import _flops_backward, _flops_forward
+
+    register_flop_formula(FORWARD.overloadpacket)(_flops_forward)
+    register_flop_formula(BACKWARD.overloadpacket)(_flops_backward)
+
+
+_register_flops()
+
+
+def auto(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
+    """The ``auto`` op on a 2-D ``x`` (through ``torch.func``'s Function under a transform)."""
+    if torch._C._are_functorch_transforms_active():
+        return _Functorch.apply(x, weight, bias, train)
+    return FORWARD(x, weight, bias, train)
