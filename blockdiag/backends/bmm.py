@@ -17,11 +17,10 @@ took the points ``bmm`` had (``bmm_fm`` itself wins one, B=32 G=16 10x150). On C
 2 of 48 forward and 4 of 48 training points; it stays registered as the plainest batched
 form.
 
-``bmm`` has its own backward for one product. Autograd would form its weight gradient as
-``x_g^T @ gy_g`` (``[G, in, out]``, the transposed weight's shape) and transpose it; the same
-product as ``gy_g^T @ x_g`` gives ``[G, out, in]`` directly and, on CPU, was up to 18x faster
-for that product alone (150x10 blocks, B=2048) and 1.0-2.6x faster for the whole training
-step. ``bmm_fm``'s autograd backward already has that form, so it keeps autograd's.
+``bmm``'s backward (``blockdiag.ops.generic_backward``) forms the weight gradient as
+``gy_g^T @ x_g``, which gives ``[G, out, in]``, the weight's own layout, where autograd would
+form ``x_g^T @ gy_g`` (``[G, in, out]``) and transpose it. ``bmm_fm``'s backward is the one
+autograd derives from its forward (``[G, ., N]`` order), written out as its kernel.
 """
 
 from __future__ import annotations

@@ -322,12 +322,15 @@ def _functions(entry: OpEntry) -> None:
         gx, gw, gb = entry.bwd_op(gy, x, weight, ctx.has_bias, need_x, need_w)
         return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None)
 
+    # Eager and OpAutograd combine forward and context setup (the old style): with a separate
+    # setup_context, Function.apply binds the arguments with inspect.signature on every call
+    # (tens of us). Only the torch.func Function needs the separate form, and only it runs
+    # under torch.func.
     class Eager(torch.autograd.Function):
         @staticmethod
-        def forward(x, weight, bias):
+        def forward(ctx, x, weight, bias):
+            _setup(ctx, (x, weight, bias), None)
             return entry.forward(x, weight, bias)
-
-        setup_context = staticmethod(_setup)
 
         @staticmethod
         def backward(ctx, gy):
@@ -341,13 +344,10 @@ def _functions(entry: OpEntry) -> None:
         # Applied by the op's Autograd kernel: the forward re-enters the dispatcher below
         # autograd, so fake/meta/functional tensors reach the fake kernel, never the kernel.
         @staticmethod
-        def forward(x, weight, bias, keyset):
+        def forward(ctx, x, weight, bias, keyset):
+            _setup(ctx, (x, weight, bias), None)
             with torch._C._AutoDispatchBelowAutograd():
                 return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            _setup(ctx, inputs, output)
 
         @staticmethod
         def backward(ctx, gy):
@@ -449,7 +449,7 @@ def define(entry: OpEntry) -> OpEntry:
         return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
 
     LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
-    torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.call_op), lib=LIB)
+    torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.fwd_op), lib=LIB)
     _register_flops(entry.fwd_op, entry.bwd_op)
     _ENTRIES[name] = entry
     return entry

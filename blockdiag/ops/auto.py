@@ -104,14 +104,12 @@ def _train_jvp(x, weight, bias):
 
 
 class _OpAutograd(torch.autograd.Function):
+    # Old style (forward with ctx): see _define's note on setup_context's per-call cost.
     @staticmethod
-    def forward(x, weight, bias, train, keyset):
+    def forward(ctx, x, weight, bias, train, keyset):
+        _setup(ctx, (x, weight, bias), None)
         with torch._C._AutoDispatchBelowAutograd():
             return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup(ctx, inputs, output)
 
     @staticmethod
     def backward(ctx, gy):
