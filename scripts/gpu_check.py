@@ -20,7 +20,11 @@ the run; a global time budget skips what would not fit):
    why training ``a/best`` was 1.11 on the H200 (the dispatch's cost, ``a/kern``, or the
    choice, ``geomean_choice_over_fastest``);
 6. ``python -m blockdiag tune --dtype bfloat16`` on the target grid (``profile_bf16.json``),
-   the bfloat16 table the built-in CUDA entry lacks.
+   the bfloat16 table the built-in CUDA entry lacks;
+7. the transform matrix on the device: every backend and ``auto`` x float32/bfloat16 under
+   ``torch.compile`` (default and ``fullgraph=True``), ``torch.export`` with a dynamic batch
+   (run at two other batch sizes), ``torch.func`` (vmap ensembling, ``jacrev``) and forward AD,
+   outputs and gradients against the float64 reference.
 
 Profiles are written into the output folder, never into the user's. Writes
 ``gpu_check.json`` (everything) and ``gpu_check.txt`` (a short summary) atomically into
@@ -293,6 +297,95 @@ def run_tune_bf16(out: Path, timeout: float) -> dict:
                                       "--min-time", "0.004", "--profile", str(prof)], timeout, prof.name)
 
 
+TRANSFORMS = ("compile", "fullgraph", "export", "vmap", "jacrev", "forward_ad")
+
+
+def _transform_case(name: str, mode: str, dtype: torch.dtype) -> dict:
+    """One backend under one transform, against the float64 reference: errors relative to the reference's size."""
+    from torch.func import functional_call, jacrev, stack_module_state, vmap
+    from torch.autograd import forward_ad as fwad
+
+    n, g, i, o = 6, 3, 8, 8
+    layer = blockdiag.GroupedLinear(g * i, g * o, g, backend=name, device=DEV, dtype=dtype)
+    x = torch.randn(n, g * i, device=DEV).to(dtype)
+    w64, b64 = layer.weight.detach().double(), layer.bias.detach().double()
+    errs = {}
+
+    def rel(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+    if mode in ("compile", "fullgraph", "export"):
+        torch._dynamo.reset()
+        for batch in (n, n + 3, 2 * n + 1):
+            xb = torch.randn(batch, g * i, device=DEV).to(dtype).requires_grad_()
+            if mode == "export":
+                if batch == n:
+                    run = torch.export.export(layer, (xb.detach(),), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+                y = run(xb.detach())
+                errs[f"y@{batch}"] = rel(y, reference_loop(xb.detach().double(), w64, b64))
+                continue
+            if batch == n:
+                run = torch.compile(layer, fullgraph=mode == "fullgraph")
+            y = run(xb)
+            r = torch.randn_like(y)
+            got = torch.autograd.grad((y * r).sum(), (xb, layer.weight, layer.bias))
+            xd, wd, bd = (t.detach().double().requires_grad_() for t in (xb, layer.weight, layer.bias))
+            yd = reference_loop(xd, wd, bd)
+            want = torch.autograd.grad((yd * r.double()).sum(), (xd, wd, bd))
+            errs[f"y@{batch}"] = rel(y, yd)
+            for key, a, e in zip(("dx", "dw", "db"), got, want):
+                errs[f"{key}@{batch}"] = rel(a, e)
+    elif mode == "vmap":
+        models = [blockdiag.GroupedLinear(g * i, g * o, g, backend=name, device=DEV, dtype=dtype) for _ in range(3)]
+        params, bufs = stack_module_state(models)
+        base = blockdiag.GroupedLinear(g * i, g * o, g, backend=name, device="meta", dtype=dtype)
+        y = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, bufs, x)
+        want = torch.stack([reference_loop(x.double(), m.weight.detach().double(), m.bias.detach().double()) for m in models])
+        errs["y"] = rel(y, want)
+    elif mode == "jacrev":
+        j = jacrev(lambda w: functional_call(layer, {"weight": w, "bias": layer.bias.detach()}, (x,)))(layer.weight.detach())
+        want = jacrev(lambda w: reference_loop(x.double(), w, b64))(w64)
+        errs["jac"] = rel(j, want)
+    else:  # forward_ad, with frozen parameters and no grad (a residual block's JVP)
+        t = torch.randn_like(x)
+        with torch.no_grad(), fwad.dual_level():
+            tangent = fwad.unpack_dual(layer(fwad.make_dual(x, t))).tangent
+        if tangent is None:
+            raise AssertionError("forward AD dropped the tangent")
+        errs["tangent"] = rel(tangent, reference_loop(t.double(), w64, None))
+    return errs
+
+
+def check_transforms(budget: float) -> list[dict]:
+    """Every backend and ``auto`` under compile, export, torch.func and forward AD (small shapes)."""
+    rows = []
+    names_ = ["auto"] + [nm for nm in names() if get(nm).unavailable_reason() is None and DEV in get(nm).dtypes]
+    if DEV == "cpu":
+        names_ = names_[:3]  # the dry run exercises the code, not the whole matrix
+    for dname, dtype in DTYPES.items():
+        tol = 5e-2 if dtype == torch.bfloat16 else 1e-3  # relative to the reference's size; TF32 included
+        for name in names_:
+            if name != "auto" and get(name).decline_reason(Problem(6, 3, 8, 8, dtype, DEV, True)):
+                continue
+            for mode in TRANSFORMS:
+                if remaining(budget) < 5:
+                    rows.append({"backend": name, "dtype": dname, "mode": mode, "skipped": "time budget"})
+                    continue
+                row = {"backend": name, "dtype": dname, "mode": mode}
+                try:
+                    errs = _transform_case(name, mode, dtype)
+                    row.update(ok=all(v <= tol for v in errs.values()), rel_err=errs)
+                except Exception as e:  # recorded in the report: the point of the script
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rows.append(row)
+    bad = [r for r in rows if r.get("ok") is False]
+    log(f"transforms: {sum(1 for r in rows if r.get('ok'))} ok, {len(bad)} failed, "
+        f"{sum(1 for r in rows if 'skipped' in r)} skipped")
+    for r in bad:
+        log(f"  FAIL {r['backend']} {r['dtype']} {r['mode']}: {r.get('error') or r.get('rel_err')}")
+    return rows
+
+
 def summarize(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -325,6 +418,14 @@ def summarize(report: dict) -> str:
             others = " ".join(f"{k}={v:.0f}" for k, v in sorted(t.items(), key=lambda kv: kv[1]))
             lines.append(f"  {r['dtype']:8s} {r['mode']:7s} {'x'.join(map(str, r['shape'])):16s} "
                          f"best={best} auto->{r['auto_backend']} ({ratio}) | {others}")
+    tr = report.get("transforms", [])
+    if isinstance(tr, list):
+        bad = [r for r in tr if r.get("ok") is False]
+        lines.append(f"transforms (compile/export/torch.func/forward AD): {sum(1 for r in tr if r.get('ok'))} ok, "
+                     f"{len(bad)} failed")
+        lines += [f"  FAIL {r['backend']} {r['dtype']} {r['mode']}: {r.get('error', r.get('rel_err'))}" for r in bad[:15]]
+    else:
+        lines.append(f"transforms: {tr}")
     for key in ("bench_train", "tune_bf16"):
         r = report.get(key, {})
         lines.append(f"{key}: rc={r.get('rc')} {r.get('error', r.get('skipped', ''))}")
@@ -340,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-pytest", action="store_true")
     ap.add_argument("--skip-bench", action="store_true", help="skip the training bench on the target grid")
     ap.add_argument("--skip-tune", action="store_true", help="skip the bfloat16 tune on the target grid")
+    ap.add_argument("--skip-transforms", action="store_true", help="skip the compile/export/torch.func matrix")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="'cpu' dry-runs the script (small grid) where there is no GPU")
     ap.add_argument("--quick", action="store_true", help="time only the first two shapes")
@@ -366,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         ("pytest", lambda: run_pytest(out, max(30.0, min(170.0, remaining(args.budget) - 150))),
          not args.skip_pytest),
         ("correctness", check_correctness, True),
+        ("transforms", lambda: check_transforms(args.budget - 260), not args.skip_transforms),
         ("timing", lambda: time_grid(args.budget - 100), True),
         ("bench_train", lambda: run_bench_train(out, max(30.0, remaining(args.budget) - 120)), not args.skip_bench),
         ("tune_bf16", lambda: run_tune_bf16(out, max(30.0, remaining(args.budget) - 10)), not args.skip_tune),

@@ -31,6 +31,18 @@ once its weight gradient kept its accumulators in registers, the 64x64 and 150x1
 picks this backend for training, stays usable for gradient penalties). Empty problems (a
 zero batch or block side) run ``bmm_fm``'s torch ops, which give the right empty or
 bias-only result and gradients.
+
+The kernels are reached only through the ops ``blockdiag::mkl_batch`` and
+``blockdiag::mkl_batch_backward``, which ``torch.compile`` treats as opaque. Before they
+were ops, dynamo traced into ``_gemm`` itself: it compiled its NumPy pointer arithmetic into
+torch ops (dynamo's NumPy interop) and broke the graph four times inside the call (the
+``lru_cache``, ``.ctypes.data``, the ctypes call), running the pieces in between as separate
+graphs; the integer arrays printed correct values at the call, yet MKL rejected its
+arguments ("Parameter 2 was incorrect on entry to cblas_sgemm_batch") and left the output
+unwritten (garbage up to 1e37), and a first call made while compiling ran the self-check the
+same way and reported MKL unusable. Which of the rebuilt arguments MKL read wrongly was not
+pinned down; the fix keeps dynamo out of the kernel's Python entirely, and
+``tests/test_transforms.py`` compiles this backend against the reference.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, Problem, register
 from ..ops import OpEntry, define
 from .bmm import _fm_backward, bmm_fm_forward
@@ -53,6 +66,7 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 # MKL's LP64 interface takes 32-bit integers; sizes beyond this are declined.
 _INT32_MAX = 2**31 - 1
 _SYMBOLS = {torch.float32: ("cblas_sgemm_batch", np.float32), torch.float64: ("cblas_dgemm_batch", np.float64)}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _torch_cpu_library() -> str:
@@ -73,9 +87,9 @@ def _kernels() -> tuple[Optional[dict], Optional[str]]:
         return None, f"cannot load torch's CPU library {path}: {e}"
     found = {}
     for dtype, (symbol, np_dtype) in _SYMBOLS.items():
-        fn = getattr(lib, symbol, None)
-        if fn is None:
+        if not hasattr(lib, symbol):
             return None, f"torch's CPU library does not export MKL's {symbol}"
+        fn = getattr(lib, symbol)
         fn.restype = None
         # Layout and group count by value, every other argument by address.
         fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 13 + [ctypes.c_int64, ctypes.c_void_p]
@@ -89,9 +103,90 @@ def _offsets(groups: int, step_a: int, step_b: int, step_c: int) -> np.ndarray:
     return np.arange(groups, dtype=np.int64) * np.array([[step_a], [step_b], [step_c]], dtype=np.int64)
 
 
+def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype, output: bool = False) -> torch.Tensor:
+    """``t`` if MKL may take its pointer (negative and conjugate bits resolved, strides kept); else BlockDiagError.
+
+    A plain strided CPU tensor (no subclass, FakeTensor or meta tensor) of ``dtype``; an output
+    must carry no negative or conjugate bit (what MKL writes would not be what ``t`` reads).
+    """
+    if type(t) not in _PLAIN or t.layout != torch.strided or t.device.type != "cpu":
+        raise BlockDiagError(
+            f"mkl_batch: {arg} must be a plain strided CPU tensor for MKL, got "
+            f"{type(t).__name__} on {t.device} with layout {t.layout}"
+        )
+    if t.dtype != dtype:
+        raise BlockDiagError(f"mkl_batch: {arg} must be {dtype}, got {t.dtype}")
+    if t.is_neg() or t.is_conj():
+        if output:
+            raise BlockDiagError(f"mkl_batch: {arg} is written by MKL and must not be a negative or conjugate view")
+        t = _resolved(t)
+    return t
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its negative and conjugate bits applied, with the same shape and strides.
+
+    The span of storage the view covers is resolved as one vector and viewed again with
+    ``t``'s strides, so a leading dimension computed from ``t`` still holds (``resolve_neg``
+    alone may re-lay out a non-dense view, e.g. an expanded one).
+    """
+    if not (t.is_neg() or t.is_conj()):
+        return t
+    if t.numel() == 0:
+        return t.resolve_neg().resolve_conj()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = t.as_strided((extent,), (1,), t.storage_offset()).resolve_neg().resolve_conj()
+    return span.as_strided(t.shape, t.stride(), 0)
+
+
+def _reach(arg: str, t: torch.Tensor, groups: int, step: int, rows: int, cols: int, ld: int) -> None:
+    """Raise BlockDiagError unless ``groups`` ``rows x cols`` matrices ``step`` elements apart lie in ``t``'s storage."""
+    if groups == 0 or rows == 0 or cols == 0:
+        return
+    if ld < max(cols, 1) or step < 0:
+        raise BlockDiagError(f"mkl_batch: {arg}'s leading dimension {ld} is below its width {cols} (or its group "
+                             f"step {step} is negative)")
+    storage = t.untyped_storage()
+    need = (groups - 1) * step + (rows - 1) * ld + cols
+    have = storage.nbytes() // t.element_size() - t.storage_offset()
+    if storage.data_ptr() == 0 or need > have:
+        raise BlockDiagError(
+            f"mkl_batch: {arg} holds {max(have, 0)} elements from its start (shape {tuple(t.shape)}, storage of "
+            f"{storage.nbytes()} bytes), the GEMM would read {need}: {groups} matrices of {rows}x{cols}, "
+            f"leading dimension {ld}, {step} apart"
+        )
+
+
 def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups):
-    """``C_j = op(A_j) @ op(B_j)`` for ``j < groups``, row-major; ``A_j`` starts ``j*step_a`` elements into ``a``."""
-    fn, scalars = _kernels()[0][c.dtype]
+    """``C_j = op(A_j) @ op(B_j)`` for ``j < groups``, row-major; ``A_j`` starts ``j*step_a`` elements into ``a``.
+
+    Every argument is checked first (plain CPU tensors of one dtype, sizes that fit 32 bits,
+    every matrix inside its tensor's storage) and refused with BlockDiagError: MKL is never
+    handed a pointer it could read or write out of bounds.
+    """
+    found, why = _kernels()
+    if found is None:
+        raise BlockDiagError(f"mkl_batch: {why}")
+    dtype = c.dtype
+    if dtype not in found:
+        raise BlockDiagError(f"mkl_batch: MKL's batched GEMM runs float32 and float64, got {dtype}")
+    a = _operand("A", a, dtype)
+    b = _operand("B", b, dtype)
+    c = _operand("C", c, dtype, output=True)
+    ints = (m, n, k, lda, ldb, ldc, groups)
+    if trans_a not in (_NO_TRANS, _TRANS) or trans_b not in (_NO_TRANS, _TRANS) or not all(
+        isinstance(v, int) and 0 <= v <= _INT32_MAX for v in ints
+    ):
+        raise BlockDiagError(
+            f"mkl_batch: GEMM arguments out of range (transposes {trans_a}, {trans_b}; m={m} n={n} k={k} "
+            f"lda={lda} ldb={ldb} ldc={ldc} groups={groups}: sizes must be integers in [0, {_INT32_MAX}])"
+        )
+    _reach("A", a, groups, step_a, *((m, k) if trans_a == _NO_TRANS else (k, m)), lda)
+    _reach("B", b, groups, step_b, *((k, n) if trans_b == _NO_TRANS else (n, k)), ldb)
+    _reach("C", c, groups, step_c, m, n, ldc)
+    if groups == 0 or m == 0 or n == 0:
+        return
+    fn, scalars = found[dtype]
     size = c.element_size()
     ptrs = _offsets(groups, step_a * size, step_b * size, step_c * size) + np.array(
         [[a.data_ptr()], [b.data_ptr()], [c.data_ptr()]], dtype=np.int64
@@ -108,8 +203,11 @@ def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     torch calls a tensor with one row contiguous whatever its row stride (``x.t()`` of an
     ``[W, 1]`` column has strides ``(1, 1)``), and MKL rejects a leading dimension below
     the width without computing anything; a single row's leading dimension addresses
-    nothing, so it is given as the width.
+    nothing, so it is given as the width. A negative or conjugate bit is resolved first:
+    MKL reads the memory, not the view.
     """
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
     if t.size(0) <= 1:
         return (t if t.size(1) <= 1 or t.stride(1) == 1 else t.contiguous()), max(width, 1)
     if t.stride(1) != 1 or t.stride(0) < width or t.stride(0) > _INT32_MAX:
@@ -119,17 +217,24 @@ def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The product, computed by MKL (no autograd)."""
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[0] * weight.shape[2] or (
+        bias is not None and tuple(bias.shape) != (weight.shape[0] * weight.shape[1],)
+    ):
+        raise BlockDiagError(
+            f"mkl_batch: inconsistent shapes: input {tuple(x.shape)}, weight {tuple(weight.shape)}"
+            + ("" if bias is None else f", bias {tuple(bias.shape)}")
+        )
     g, o, i = weight.shape
     n = x.shape[0]
-    x, ldx = _rows(x, g * i)
-    weight = weight.contiguous()
+    x, ldx = _rows(_operand("input", x, x.dtype), g * i)
+    weight = _operand("weight", weight, x.dtype).contiguous()
     y = x.new_empty(n, g * o)
     _gemm(_NO_TRANS, _TRANS, n, o, i, x, i, ldx, weight, o * i, i, y, o, g * o, g)
     if bias is not None:
         # After the GEMM rather than as its C operand (beta=1): filling y with the bias
         # first (an extra pass that MKL then reads) was slower at 25 of 28 points in the
         # prototype's comparison (14 shapes, both modes, interleaved medians).
-        y.add_(bias)
+        y.add_(_operand("bias", bias, x.dtype))
     return y
 
 
@@ -182,23 +287,78 @@ def _probe() -> Optional[str]:
 
 
 def self_check(dtype: torch.dtype) -> Optional[str]:
-    """Why MKL's batched GEMM cannot be used for ``dtype`` here (unavailable or failed check), or None."""
-    return _kernels()[1] or _check()
+    """Why MKL's batched GEMM cannot be used for ``dtype`` here (unavailable or failed check), or None.
+
+    Never raises; safe in any context (the check runs in ``simd._isolated``: plain eager CPU
+    torch). The verdict is cached per dtype.
+    """
+    try:
+        found, why = _kernels()
+        if found is None:
+            return why
+        if dtype not in found:
+            return f"MKL's batched GEMM runs float32 and float64, not {dtype}"
+        return _check(dtype)
+    except Exception as e:  # noqa: BLE001  (a verdict, never an exception: not cached)
+        return f"the self-check of MKL's {dtype} batched GEMM could not run: {type(e).__name__}: {e}"
 
 
-@functools.lru_cache(maxsize=None)
-def _check() -> Optional[str]:
-    """Run a small product through MKL and compare with ``torch.bmm``: why it differs, or None."""
-    # Slices whose leading dimensions exceed their widths, in every dtype declared, so a
-    # build whose MKL reads the arguments differently is caught before any result is used.
-    gen = torch.Generator().manual_seed(0)
-    for dtype in _kernels()[0]:
-        x = torch.randn(5, 3 * 4, generator=gen, dtype=dtype)
-        w = torch.randn(3, 2, 4, generator=gen, dtype=dtype)
-        want = torch.bmm(x.view(5, 3, 4).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(5, 6)
-        got = _forward(x, w, None)
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            return f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} check product"
+_CHECKED: dict = {}
+
+
+def _check(dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Run small products through MKL and compare with torch: why they differ, or None.
+
+    ``dtype`` None: every dtype declared. Cached per dtype (``_check.cache_clear()`` forgets).
+    """
+    if dtype is None:
+        for d in _kernels()[0] or ():
+            why = _check(d)
+            if why is not None:
+                return why
+        return None
+    if dtype not in _CHECKED:
+        from .simd import _isolated
+
+        with _isolated():
+            _CHECKED[dtype] = _run_check(dtype)
+    return _CHECKED[dtype]
+
+
+_check.cache_clear = _CHECKED.clear
+
+
+def _run_check(dtype: torch.dtype) -> Optional[str]:
+    # The three products the backend runs (forward, input and weight gradient), on slices whose
+    # leading dimensions exceed their widths, so a build whose MKL reads the arguments
+    # differently is caught before any result is used. Operands are rounded to ``dtype``; the
+    # reference is computed from them in float64.
+    from .simd import _mismatch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(dtype)
+
+    n, g, i, o = 5, 3, 4, 2
+    x = rand(n, g * i + 2)[:, 1 : 1 + g * i]
+    gy = rand(n, g * o + 3)[:, 2 : 2 + g * o]
+    w = rand(g, o, i)
+    xs, gys, wd = x.double().reshape(n, g, i).transpose(0, 1), gy.double().reshape(n, g, o).transpose(0, 1), w.double()
+    gx = torch.empty(n, g * i, dtype=dtype, device="cpu")
+    gw = torch.empty(g, o, i, dtype=dtype, device="cpu")
+    _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, gy.stride(0), w, o * i, i, gx, i, g * i, g)
+    _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, gy.stride(0), x, i, x.stride(0), gw, o * i, i, g)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    for what, got, want in (
+        ("forward", _forward(x, w, None), torch.bmm(xs, wd.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)),
+        ("input gradient", gx, torch.bmm(gys, wd).transpose(0, 1).reshape(n, g * i)),
+        ("weight gradient", gw, torch.bmm(gys.transpose(1, 2), xs)),
+    ):
+        why = _mismatch(got, want, **tol)
+        if why is not None:
+            return (f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} "
+                    f"check product ({what}, N={n}, G={g}, {i}x{o}): {why}")
     return None
 
 
