@@ -77,3 +77,13 @@ def backends() -> list[BackendInfo]:
         why = b.unavailable_reason()
         out.append(BackendInfo(name, why is None, why or "", b.summary))
     return out
+
+
+def __getattr__(name: str):
+    # ``blockdiag.distributed`` (group parallelism) loads torch.distributed.tensor, most of a
+    # second, so ``import blockdiag`` does not import it: the first access does.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -277,6 +277,78 @@ def _builtin_columns(r: dict) -> str:
     return f" {b or '-':>11s} {ratio}"
 
 
+def _compiled_models(s: str) -> tuple[str, ...]:
+    from .tuning import COMPILED_MODELS
+
+    out = tuple(v.strip() for v in s.split(",") if v.strip())
+    bad = [v for v in out if v not in COMPILED_MODELS]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(COMPILED_MODELS)}, got {s!r}")
+    return out
+
+
+def _ratio(v, width: int = 7) -> str:
+    return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}s}"
+
+
+def _bench_compiled(args, grid, modes) -> int:
+    """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
+    from . import profile as prof
+    from .tuning import COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
+
+    rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
+                          backends=args.backends, rounds=args.repeat, min_time=args.min_time,
+                          baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
+                          refine=args.refine, compiler=args.compiler, progress=sys.stderr)
+    bd = ["auto", *dict.fromkeys(args.backends or ())]
+    cols = [c for n in bd for c in (n, f"{n}_compiled")] + ([] if args.no_baselines else list(COMPILED_PEERS))
+    label = {c: c.replace("_compiled", "_c") for c in cols}
+    ratio_cols = [(n, "c/eager" if n == "auto" else f"{n}:c/e", "c/peer" if n == "auto" else f"{n}:c/p") for n in bd]
+    print(f"torch.compile (backend {args.compiler}, dynamic=False, compile time excluded), {args.stat} of "
+          f"{args.repeat} interleaved rounds; _c: compiled; c/eager: compiled blockdiag over eager blockdiag; "
+          f"c/peer: compiled blockdiag over the fastest compiled peer (loop of heads, vmap)")
+    head = f"{'mode':7s} {'model':6s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{label[c]:>9s}" for c in cols)
+    head += "".join(f" {e:>7s} {c:>7s}" for _, e, c in ratio_cols) + f" {'choice':>8s}"
+    print(head)
+    for r in rows:
+        lead = (f"{r['mode']:7s} {r['model']:6s} {r['batch']:5d} {r['groups']:4d} "
+                f"{str(r['block_in']) + 'x' + str(r['block_out']):>8s} ")
+        if "skipped_point" in r:
+            print(lead + f"skipped: {r['skipped_point']}")
+            continue
+        t, failed = r["times_us"], r["failed"]
+
+        def cell(c, t=t, failed=failed):
+            if c in t:
+                return _fmt_us(t[c])
+            return "wrong" if failed.get(c, "").startswith("wrong result") else "failed" if c in failed else "-"
+
+        print(lead + " ".join(f"{cell(c):>9s}" for c in cols)
+              + "".join(f" {_ratio(r['compiled_over_eager'].get(n))} {_ratio(r['compiled_over_best_peer'].get(n))}"
+                        for n, _, _ in ratio_cols)
+              + f" {r.get('auto') or '-':>8s}")
+    for r in rows:
+        for c, why in r.get("failed", {}).items():
+            print(f"failed: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} "
+                  f"{c}: {why}")
+    summary = summarize_compiled(rows)
+    for mode, per in summary.items():
+        for key, s in per.items():
+            print(f"{mode} {key}: " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "targets_met"))
+            if "targets_met" in s:
+                met = s["targets_met"]
+                print(f"{mode} {key}: issue 21's targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+    if args.json:
+        out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+               "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+               "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
+               "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
+               "allocator_env": allocator_env(), "summary": summary, "rows": rows}
+        prof.write_json_atomic(args.json, out)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     import contextlib
 
@@ -287,8 +359,13 @@ def cmd_bench(args) -> int:
     _check_backends(args.backends)
     _check_output("--json", args.json)
     grid = _grid(args, "targets")
+    if args.mode is None:  # bench's own default: both, and the training step alone with --compiled
+        args.mode = "train" if args.compiled else "both"
     modes = _modes(args)
     ctx = config(profile=args.profile) if args.profile else contextlib.nullcontext()
+    if args.compiled:
+        with ctx:
+            return _bench_compiled(args, grid, modes)
     with ctx:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
@@ -380,7 +457,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--refine", type=_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",
                    help=f"auto, its choice, the nn.Linear loop and the backends within this fraction of "
                         f"the fastest get --repeat more rounds (default {BENCH_REFINE:g}; 0 disables)")
-    b.set_defaults(func=cmd_bench)
+    # A flag, not a --mode value: --mode says which pass is timed (and is tune's option too),
+    # --compiled says what is compared; the two combine (--mode forward --compiled is valid).
+    b.add_argument("--compiled", nargs="?", const=("linear", "mlp"), type=_compiled_models, metavar="MODELS",
+                   help="instead of the backends, time torch.compile(GroupedLinear) and torch.compile(GroupedMLP) "
+                        "(MODELS: linear, mlp, or linear,mlp, the default) against torch.compile of the nn.Linear loop "
+                        "and of vmap ensembling, with the eager blockdiag module in the same rounds; reports "
+                        "compiled/eager and compiled/best compiled peer. A flag rather than a --mode value "
+                        "because it changes what is compared, not which pass: --mode still picks the pass "
+                        "and here defaults to train. Graphs are compiled once per point (dynamic=False, "
+                        "dynamo reset between points), compile time excluded; a method that fails to compile "
+                        "or differs from eager is reported in its row. --backends adds blockdiag modules "
+                        "with those backends forced (default: auto only); no peak memory is recorded")
+    b.add_argument("--compiler", default="inductor", metavar="BACKEND",
+                   help="torch.compile's backend for --compiled (default inductor; aot_eager traces the "
+                        "same graphs without code generation, to find failures fast)")
+    # None: both, or train with --compiled (cmd_bench resolves it).
+    b.set_defaults(func=cmd_bench, mode=None)
     return p
 
 

@@ -18,6 +18,44 @@ settings in force and the tuning table; its result is cached. It works in two st
 
 ``loop`` accepts every problem, so a plan always exists and never names a backend that
 cannot run the input.
+
+One plan cache, one epoch
+-------------------------
+
+Plans (for ``auto`` and for a named backend alike) live in one cache keyed by
+``(backend, problem, epoch())`` (:func:`cached_plan`; :func:`choose` and :func:`plan_for` are
+served from it). :func:`epoch` is a cheap hashable value that changes whenever anything a
+plan depends on may have changed, so a cached plan is never checked, only looked up:
+
+- ``generation``, one counter that every in-process mutator bumps
+  (:func:`blockdiag.settings.bump_epoch`): ``set_config`` / ``set_sparsity_threshold``; a
+  profile written (``save_entry``, ``blockdiag tune``) or forgotten (``clear_cache``); a
+  backend registered, replaced or removed (the registry is a mapping whose every mutation
+  bumps, so ``monkeypatch.setitem`` on it does too);
+- this thread's ``config`` stack, as a small id (equal stacks share one: re-entering the same
+  ``with config(...)`` block finds the plans cached the first time);
+- the five environment variables the chooser reads (``BLOCKDIAG_*`` and
+  ``XDG_CACHE_HOME``, which name the settings and the profile's path). The environment
+  cannot tell anyone it changed, so :func:`epoch` reads them on every call, straight from
+  ``os.environ``'s mapping (about 25 ns each): a change is seen at the next call.
+
+Two more things change without telling anyone, and are dearer to look at: the profile
+files, which another process can rewrite (a ``stat`` each, about 1 us), and the thread count
+(``torch.set_num_threads``, part of the CPU profile's key). :func:`epoch` looks at them at
+most every :data:`blockdiag.profile.RECHECK_S` seconds (1 s; one ``time.monotonic`` per call
+decides), and at the first call after any bump: it stats each file a plan was built from,
+missing ones included, compares mtime, size and inode with what they were when read, and
+bumps ``generation`` on a change. So a profile written by another process is followed
+within a second, one written in this process at once.
+
+Plans are computed only from state the epoch covers, plus each backend's availability, which
+is fixed for the process (its probe is cached); a plan whose epoch moved while it was being
+computed is returned but not kept. ``choose`` reads no tensor and takes no lock (the
+dictionary operations are atomic under the GIL), so it can be called from any thread and
+from inside a registered op at run time. The per-call memo of ``GroupedLinear``
+(``nn/linear.py``) keys on the operands and the same epoch, so it needs no checks of its own
+either: its hit path costs one ``epoch()`` call (about 0.3 us, most of ``auto``'s cost over a
+named backend) and one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -26,15 +64,16 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from . import settings as _config
 from . import profile as _profile
 from ._errors import BlockDiagError
 from .backends import Backend, Problem, get, names
-from .backends._registry import _REGISTRY
+from .settings import epoch
 
-__all__ = ["Plan", "Candidate", "choose", "builtin_plan", "plan_for", "FALLBACK_ORDER", "NEIGHBOURS", "nearest_measurements", "blended_times"]
+__all__ = [
+    "Plan", "Candidate", "choose", "builtin_plan", "plan_for", "cached_plan", "epoch", "FALLBACK_ORDER",
+    "NEIGHBOURS", "nearest_measurements", "blended_times",
+]
 
 # Used when no measured table covers the problem: measured geomean ranks on each device type
 # (time over the fastest in the built-in table, over both modes; bmm_fm_bmm and bmm_fm_loop
@@ -184,15 +223,7 @@ def choose(problem: Problem) -> Plan:
         BlockDiagError: a malformed problem (see :class:`~blockdiag.backends.Problem`), or
             one that no backend can run (a dtype none supports, such as an integer type).
     """
-    state, entry, source = _state(problem.device, problem.dtype)
-    key = (problem, state)
-    plan = _cache.get(key)
-    if plan is None:
-        if len(_cache) > 4096:
-            _cache.clear()
-        label = "built-in table" if source == _profile.BUILTIN_SOURCE else "tuning profile"
-        plan = _cache[key] = _rank(problem, _resolved_settings(entry, label), source, entry)
-    return plan
+    return cached_plan("auto", problem)
 
 
 def builtin_plan(problem: Problem) -> Plan:
@@ -218,23 +249,66 @@ def builtin_plan(problem: Problem) -> Plan:
     return _rank(problem, _resolved_settings(entry, "built-in table"), _profile.BUILTIN_SOURCE, entry)
 
 
-def _state(device: str, dtype: torch.dtype) -> tuple[tuple, Optional[dict], str]:
-    tok = _config.token()
-    path = _profile_path.get(tok, _MISSING)
-    if path is _MISSING:
-        # The profile path is a function of the explicit settings, which ``tok`` captures.
-        explicit = _config._explicit("profile")
-        path = explicit[0] if explicit else None
-        if len(_profile_path) > 64:
-            _profile_path.clear()
-        _profile_path[tok] = path
-    entry, source, ptoken = _profile.cached_entry(device, dtype, path, tok[2:])
-    return (tok, ptoken, len(_REGISTRY)), entry, source
+def _auto_plan(problem: Problem) -> Plan:
+    # The profile's path is a setting (config, set_config, $BLOCKDIAG_PROFILE; None: the
+    # default location), so the epoch covers it like the others.
+    path = _config.resolve("profile")[0]
+    entry, source, _ = _profile.cached_entry(problem.device, problem.dtype, path)
+    label = "built-in table" if source == _profile.BUILTIN_SOURCE else "tuning profile"
+    return _rank(problem, _resolved_settings(entry, label), source, entry)
 
 
-_MISSING = object()
-_profile_path: dict = {}
+# The one plan cache: (backend, problem, epoch()) -> Plan. Entries of past epochs are dropped
+# when the first plan of a new generation is stored (and all of them past 4096 entries).
 _cache: dict = {}
+_cache_generation = -1
+
+
+def cached_plan(backend: str, problem: Problem, fn_name: str = "GroupedLinear") -> Plan:
+    """The plan for ``backend`` (a registered name or ``"auto"``) at ``problem``, cached.
+
+    A pure function of ``(backend, problem, epoch())``: equal arguments in the same epoch
+    give the same :class:`Plan` object; see the module docstring for what moves the epoch.
+    Reads no tensor; safe to call from any thread.
+
+    >>> from blockdiag.backends import Problem
+    >>> p = Problem(256, 50, 10, 10)
+    >>> cached_plan("auto", p) is choose(p) and cached_plan("bmm", p).backend == "bmm"
+    True
+
+    Args:
+        backend: a registered backend name, or ``"auto"`` for :func:`choose`'s plan.
+        problem: a :class:`~blockdiag.backends.Problem`.
+        fn_name: the caller's name in error messages.
+
+    Raises:
+        BlockDiagError: unknown name (listing the valid ones), a named backend that
+            cannot run the problem (with its reason), or a problem no backend can run.
+    """
+    global _cache_generation
+    ep = epoch()
+    key = (backend, problem, ep)
+    try:
+        plan = _cache.get(key)
+    except TypeError:  # an unhashable name is no backend's: get() says which names are
+        get(backend, fn_name)
+        raise
+    if plan is not None:
+        return plan
+    if backend == "auto":
+        plan = _auto_plan(problem)
+    else:
+        b = get(backend, fn_name)
+        why = b.decline_reason(problem)
+        if why is not None:
+            raise BlockDiagError(f"{fn_name}: backend {backend!r} cannot run {problem.describe()}: {why}")
+        plan = Plan(backend, problem, f"fixed by the user (backend={backend!r})", "none (fixed backend)")
+    if epoch() == ep:  # else the state moved while planning: the plan may mix two epochs
+        if ep[0] != _cache_generation or len(_cache) > 4096:
+            _cache.clear()
+            _cache_generation = ep[0]
+        _cache[key] = plan
+    return plan
 
 
 def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
@@ -248,6 +322,12 @@ def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
             return f"groups={p.groups} > dense_max_groups={s['dense_max_groups']}"
         if p.dense_elements > s["dense_max_elements"]:
             return f"dense matrix has {p.dense_elements} entries > dense_max_elements={s['dense_max_elements']}"
+    if not b.isolates_groups and not any(map(_config._explicit, ("dense_max_groups", "dense_max_elements"))):
+        # Issue 22, item 8: a NaN/Inf in one group would reach every group. At most 1.15x
+        # faster in the built-in table (1 of 120 CPU points, none on the H200), so `auto`
+        # takes that only on the user's word (config/set_config/environment), not a table's.
+        return ("does not isolate groups (a NaN/Inf in one group's input reaches every group); "
+                "auto uses it only where dense_max_groups or dense_max_elements is set explicitly")
     return None
 
 
@@ -368,14 +448,10 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
 def plan_for(backend: str, problem: Problem, fn_name: str = "GroupedLinear") -> Plan:
     """The plan for a fixed backend name, or ``auto``; raises if the backend declines.
 
+    The same as :func:`cached_plan` (the name callers have used).
+
     Raises:
         BlockDiagError: unknown name (listing the valid ones), or the backend cannot run
             the problem (with its reason).
     """
-    if backend == "auto":
-        return choose(problem)
-    b = get(backend, fn_name)
-    why = b.decline_reason(problem)
-    if why is not None:
-        raise BlockDiagError(f"{fn_name}: backend {backend!r} cannot run {problem.describe()}: {why}")
-    return Plan(backend, problem, f"fixed by the user (backend={backend!r})", "none (fixed backend)")
+    return cached_plan(backend, problem, fn_name)

@@ -12,6 +12,12 @@ checkpoint loads into an unmasked ``nn.Linear`` too. ``load_state_dict`` of a ch
 whose ``weight`` has non-zeros outside the blocks is **refused** with
 :class:`BlockDiagError` naming the first offending entry (masking it silently would hide a
 checkpoint that does not belong to this model).
+
+Meta-device initialisation works: build the model under ``torch.device("meta")``, mask it,
+``to_empty(device=...)``, then ``reset_parameters()`` or ``load_state_dict``. The mask is
+not a buffer (``to_empty`` would leave it uninitialised) but derived from the shape on
+demand, and the masked module's ``reset_parameters`` initialises ``original`` (a plain
+parametrization would let it initialise a temporary copy of ``weight`` and keep nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from torch.nn.utils import parametrize
 
 from ._checks import check, check_groups
 from ._errors import BlockDiagError
-from .layout import BlockLayout
 
 __all__ = ["BlockDiagonalMask", "mask_block_diagonal_", "remove_block_diagonal_mask_"]
 
@@ -42,21 +47,95 @@ class BlockDiagonalMask(nn.Module):
         super().__init__()
         self.groups = groups
         self.block_shape = tuple(block_shape)
-        # A buffer (not persistent: it is derived from groups) follows .to(device) moves.
-        self.register_buffer("mask", BlockLayout(groups, *block_shape).mask(torch.device("cpu")).clone(), persistent=False)
+        # The mask is a pure function of (groups, block_shape, device), so it is derived on
+        # demand and cached per device, never stored as a buffer: a buffer is state that
+        # module-wide operations rewrite without knowing what it means. ``to_empty()`` (the
+        # meta-device init flow) left it uninitialised (issue 22, item 7: off-diagonal
+        # weights of ~2.5, genuine checkpoints refused), and so would any tool that
+        # re-creates buffers (FSDP-style materialisation, ``load_state_dict(assign=True)``
+        # of a full model). Re-validating a buffer's content on each use would cost as much
+        # as building it; a device-keyed cache costs one dict lookup. A plain dict
+        # attribute: not in ``state_dict``, copied by ``deepcopy``, untouched by ``_apply``.
+        self._masks: dict[torch.device, torch.Tensor] = {}
+        # True only inside the masked module's ``reset_parameters``: ``weight`` is then
+        # ``original`` itself, so in-place initialisers write into the parameter.
+        self._passthrough = False
+
+    def mask_on(self, device: torch.device | str) -> torch.Tensor:
+        """The bool ``[G*out, G*in]`` mask (True inside the blocks) on ``device``."""
+        device = torch.device(device)
+        m = self._masks.get(device)
+        if m is None:
+            m = _build_mask(self.groups, self.block_shape, device)
+            if _cacheable(m):
+                if len(self._masks) >= 8:  # devices come and go (meta, cpu, cuda:k): stay small
+                    self._masks.clear()
+                self._masks[device] = m
+        return m
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The mask on the CPU (see :meth:`mask_on` for another device)."""
+        return self.mask_on("cpu")
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self._passthrough:
+            return w
         # Selecting, not multiplying: NaN * 0 and inf * 0 are NaN, so one non-finite gradient
         # entry would turn `original`'s off-diagonal entries NaN for good. ``where``'s
         # backward passes exact zeros there instead.
-        return torch.where(self.mask, w, 0)
+        return torch.where(self.mask_on(w.device), w, 0)
 
     def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
         # Assigning linear.weight = W stores W masked, so `original` never holds stray values.
-        return torch.where(self.mask, w, 0)
+        return torch.where(self.mask_on(w.device), w, 0)
 
     def extra_repr(self) -> str:
         return f"groups={self.groups}, block_shape={self.block_shape}"
+
+
+def _build_mask(groups: int, block_shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    def build():
+        r, c = block_shape
+        eye = torch.eye(groups, dtype=torch.bool, device=device)
+        return eye[:, None, :, None].expand(groups, r, groups, c).reshape(groups * r, groups * c)
+
+    if torch.compiler.is_compiling():
+        return build()  # traced into the graph, never cached
+    # Outside inference mode, so the cached mask can be saved for a later backward.
+    with torch.inference_mode(False):
+        return build()
+
+
+def _cacheable(m: torch.Tensor) -> bool:
+    # Only a real tensor outlives the call: under FakeTensorMode (export, compile's tracing)
+    # factories return FakeTensors, under torch.func.grad functorch-wrapped tensors.
+    if type(m) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return not (wrapped is not None and wrapped(m))
+
+
+def _reset_parameters(self) -> None:
+    """``reset_parameters`` of a masked module: initialise ``original``, then mask it.
+
+    The module's own ``reset_parameters`` (``nn.Linear``'s: ``kaiming_uniform_(self.weight)``)
+    would initialise the tensor a parametrized ``weight`` computes, a temporary, and keep
+    nothing: after ``to_empty()`` the diagonal blocks would hold uninitialised memory.
+    """
+    base = super(type(self), self).reset_parameters
+    plist = self.parametrizations.weight if parametrize.is_parametrized(self, "weight") else ()
+    if len(plist) != 1 or not isinstance(plist[0], BlockDiagonalMask):
+        return base()  # not (only) our mask: nothing to route
+    mask_mod = plist[0]
+    mask_mod._passthrough = True
+    try:
+        base()
+    finally:
+        mask_mod._passthrough = False
+    with torch.no_grad():
+        orig = plist.original
+        orig.masked_fill_(~mask_mod.mask_on(orig.device), 0)
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -64,7 +143,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     if key in state_dict:
         orig = state_dict.pop(key)
         # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
-        state_dict[prefix + "weight"] = torch.where(module.parametrizations.weight[0].mask, orig, 0)
+        mask = module.parametrizations.weight[0].mask_on(orig.device)
+        state_dict[prefix + "weight"] = torch.where(mask, orig, 0)
     return state_dict
 
 
@@ -74,11 +154,12 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
         return
     w = state_dict[key]
     mask_mod = module.parametrizations.weight[0]
-    if isinstance(w, torch.Tensor) and w.shape == mask_mod.mask.shape:
-        off = (w != 0) & ~mask_mod.mask.to(w.device)
+    r, c = mask_mod.block_shape
+    shape = (mask_mod.groups * r, mask_mod.groups * c)
+    if isinstance(w, torch.Tensor) and tuple(w.shape) == shape and w.device.type != "meta":
+        off = (w != 0) & ~mask_mod.mask_on(w.device)
         if bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])
-            r, c = mask_mod.block_shape
             raise BlockDiagError(
                 f"load_state_dict: {key} of shape {tuple(w.shape)} has a non-zero "
                 f"{w[i, j].item()!r} at ({i}, {j}), outside the {mask_mod.groups} diagonal "
@@ -116,8 +197,12 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
     check(fn, not parametrize.is_parametrized(linear, "weight"), "linear.weight is already parametrized (masked?)")
     out_f, in_f = w.shape
     check_groups(fn, groups, in_f, out_f)
-    mask = BlockDiagonalMask(groups, (out_f // groups, in_f // groups)).to(w.device)
+    mask = BlockDiagonalMask(groups, (out_f // groups, in_f // groups))
     parametrize.register_parametrization(linear, "weight", mask)
+    if callable(getattr(linear, "reset_parameters", None)):
+        # On the class parametrize made for this one module (copies share it, removing the
+        # last parametrization restores the original class).
+        type(linear).reset_parameters = _reset_parameters
     linear._blockdiag_hooks = (
         linear._register_state_dict_hook(_state_dict_hook),
         linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True),
@@ -149,6 +234,8 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
             f"remove_block_diagonal_mask_: {type(linear).__name__} has no block-diagonal mask"
         )
     parametrize.remove_parametrizations(linear, "weight", leave_parametrized=True)
+    if type(linear).__dict__.get("reset_parameters") is _reset_parameters:
+        del type(linear).reset_parameters  # another parametrization keeps the class
     for h in hooks:
         h.remove()
     del linear._blockdiag_hooks

@@ -15,6 +15,12 @@ the dtype. Without one it uses the built-in table shipped in ``blockdiag/_defaul
 (measured on a 2-core CPU). A missing file is silent; a corrupt file, or one holding only
 entries for another torch version or device (stale), gives one warning per file and falls
 back to the defaults: ``auto`` never crashes on a profile.
+
+What was read is cached until it may have changed: a profile written (:func:`save_entry`)
+or forgotten (:func:`clear_cache`) in this process starts a new chooser epoch at once; a
+file changed by another process is found by :func:`changed_on_disk`, which the chooser's
+:func:`~blockdiag.dispatch.epoch` calls at most every :data:`RECHECK_S` seconds (see
+:mod:`blockdiag.dispatch`).
 """
 
 from __future__ import annotations
@@ -23,13 +29,13 @@ import functools
 import json
 import os
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from . import settings as _settings
 from ._checks import is_int
 from ._errors import BlockDiagError
 
@@ -44,14 +50,16 @@ __all__ = [
     "profile_key",
     "load_entry",
     "cached_entry",
+    "changed_on_disk",
     "save_entry",
     "clear_cache",
 ]
 
-# How long ``cached_entry`` trusts its last look at a profile file: ``auto`` runs on every
-# forward call, and a stat per call would cost more than the smallest products. A profile
-# written in this process (``save_entry``) is seen at once; one written by another
-# process within this many seconds.
+# How long the chooser trusts its last look at the profile files (and the thread count):
+# ``auto`` runs on every forward call, and a stat per call would cost more than the smallest
+# products. A profile written in this process (``save_entry``) is seen at once; one written
+# by another process within this many seconds (``changed_on_disk``, called from
+# ``blockdiag.settings.epoch``).
 RECHECK_S = 1.0
 
 # The source a plan names when the built-in table ranked it (``load_entry``, ``Plan.source``).
@@ -160,7 +168,7 @@ _SETTING_RANGES = {
 
 
 @functools.lru_cache(maxsize=16)
-def _read(path: str, mtime_ns: int) -> tuple[Optional[dict], Optional[str]]:
+def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
     try:
         with open(path) as f:
             return _validate(json.load(f), path), None
@@ -178,14 +186,34 @@ def _warn_once(path: str, msg: str) -> None:
         warnings.warn(f"blockdiag: {msg}; using the built-in defaults", ProfileWarning, stacklevel=4)
 
 
+def _signature(path: str) -> Optional[tuple]:
+    """What a stat says about a file's content: ``(mtime, size, inode)``, None if missing.
+
+    The size and the inode catch a rewrite within the file system's timestamp granularity
+    (``write_json_atomic`` renames a new file over the old one: a new inode).
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+# Every file whose content (or absence) an answer was built from, with its signature then:
+# what ``changed_on_disk`` looks at again.
+_seen: dict[str, Optional[tuple]] = {}
+
+
 def read_profile(path: Path | str) -> tuple[Optional[dict], Optional[str]]:
     """``(document, None)`` or ``(None, why it is unusable)``; ``(None, None)`` if missing."""
     path = str(path)
-    try:
-        mtime = os.stat(path).st_mtime_ns
-    except OSError:
+    sig = _signature(path)
+    if len(_seen) > 256:  # many paths read over time: forget them all, entries included
+        _forget()
+    _seen[path] = sig
+    if sig is None:
         return None, None
-    return _read(path, mtime)
+    return _read(path, sig)
 
 
 def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) -> tuple[Optional[dict], str]:
@@ -216,61 +244,82 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
 _entry_cache: dict = {}
 
 
-def cached_entry(
-    device: str, dtype: torch.dtype, path: Path | str | None = None, env_token: object = None
-) -> tuple[Optional[dict], str, tuple]:
-    """:func:`load_entry` plus a token that changes whenever the answer may change.
+def cached_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) -> tuple[Optional[dict], str, tuple]:
+    """:func:`load_entry`, cached until the files it was read from may have changed.
 
-    The file is looked at again at most every :data:`RECHECK_S` seconds (and at once after
-    :func:`save_entry` or :func:`clear_cache`). The token (path and modification times of
-    the profile and of the built-in table) keys the chooser's cache. ``env_token`` must
-    change whenever ``$BLOCKDIAG_PROFILE`` or ``$XDG_CACHE_HOME`` does (the chooser passes
-    :func:`blockdiag.settings.token`); by default they are read here.
+    That is: until :func:`save_entry` or :func:`clear_cache` in this process, or until
+    :func:`changed_on_disk` finds a change (the chooser's epoch looks at most every
+    :data:`RECHECK_S` seconds; so does this function). The CPU entry's key holds the
+    thread count (see :func:`device_name`), and so does this cache's key.
+
+    Returns:
+        ``(entry, source, signature)``: ``signature`` is the profile's path and what a stat
+        said about it and about the built-in table when they were read.
     """
-    # Keyed on what decides the default path (in ``env_token``), so the hot path does no
-    # path arithmetic.
-    if env_token is None:
-        env_token = (os.environ.get("BLOCKDIAG_PROFILE"), os.environ.get("XDG_CACHE_HOME"))
-    # The CPU entry's key holds the thread count (see device_name), so a set_num_threads
-    # must reach the lookup too.
-    key = (path, env_token, device, dtype, torch.get_num_threads() if device == "cpu" else 0)
-    now = time.monotonic()
-    hit = _entry_cache.get(key)
-    if hit is not None and now - hit[0] < RECHECK_S:
-        return hit[1]
+    _settings.epoch()  # the periodic look at the files, for callers other than the chooser
     p = str(path or default_profile_path())
-    token = (p, _mtime(p), _mtime(str(DEFAULTS_PATH)))
-    if hit is not None and hit[1][2] == token:
-        _entry_cache[key] = (now, hit[1])
-        return hit[1]
+    key = (p, device, dtype, torch.get_num_threads() if device == "cpu" else 0)
+    hit = _entry_cache.get(key)
+    if hit is not None:
+        return hit
+    gen = _settings.generation
     entry, source = load_entry(device, dtype, p)
-    out = (entry, source, token)
-    _entry_cache[key] = (now, out)
+    out = (entry, source, (p, _seen.get(p), _seen.get(str(DEFAULTS_PATH))))
+    # Not kept if the files were forgotten meanwhile (another thread found a change): what
+    # was read may predate it.
+    if gen == _settings.generation:
+        _entry_cache[key] = out
     return out
 
 
-def _mtime(path: str) -> Optional[int]:
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return None
+# The thread count at the last look (``torch.set_num_threads`` tells no one).
+_threads = torch.get_num_threads()
 
 
-# Bumped whenever what was read from profile files is forgotten: callers that memoize
-# results derived from ``cached_entry`` (``GroupedLinear``'s per-call memo of auto's choice)
-# check it.
-generation = 0
+def changed_on_disk() -> bool:
+    """Whether a profile file read so far, or the thread count, changed since it was read.
+
+    Stats each file an answer was built from (usually the profile and the built-in table).
+    On a change it starts a new chooser epoch, forgets the cached entries and returns True.
+    The chooser's :func:`~blockdiag.dispatch.epoch` calls it every :data:`RECHECK_S`
+    seconds at most.
+    """
+    global _threads
+    changed = False
+    threads = torch.get_num_threads()
+    if threads != _threads:
+        _threads = threads
+        changed = True
+    for path, sig in list(_seen.items()):
+        now = _signature(path)
+        if now != sig:
+            _seen[path] = now  # a vanished file is recorded as missing, so it reports once
+            changed = True
+    if changed:
+        # The epoch first: an entry another thread is reading now is then not kept (see
+        # cached_entry), and one it kept before is cleared here.
+        _settings.bump_epoch()
+        _entry_cache.clear()
+    return changed
 
 
-def _bump() -> None:
-    global generation
+def _forget() -> None:
+    """Start a new epoch and forget what was read from profile files (as changed_on_disk)."""
+    _settings.bump_epoch()
     _entry_cache.clear()
-    generation += 1
+    _seen.clear()
+
+
+# Retired: this module's own counter before the chooser's one epoch (``generation`` in
+# blockdiag.settings, part of :func:`blockdiag.dispatch.epoch`). It stays, fixed at 0, for
+# memos that still check it beside ``settings.token()``: that is the epoch now, which
+# moves whenever this counter would have.
+generation = 0
 
 
 def clear_cache() -> None:
     """Forget what was read from profile files (the next ``auto`` call reads them again)."""
-    _bump()
+    _forget()
     _read.cache_clear()
     _warned.clear()
 
@@ -328,7 +377,7 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
         write_json_atomic(p, doc)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
-    _bump()
+    _forget()
     return p
 
 

@@ -10,19 +10,26 @@ Precedence, highest first (each setting resolved on its own):
 5. the built-in default below.
 
 A bad environment value raises :class:`BlockDiagError` naming the variable.
+
+This module also keeps the chooser's epoch (:func:`epoch`, :func:`bump_epoch`): one value
+that changes whenever anything ``auto``'s answer depends on may have changed. It lives here,
+the package's leaf, so that every mutator (settings, profiles, the backend registry) can
+reach it without an import cycle; :mod:`blockdiag.dispatch` explains the design.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from ._errors import BlockDiagError
 
-__all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_settings"]
+__all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_settings", "epoch", "bump_epoch"]
 
 
 @dataclass(frozen=True)
@@ -57,14 +64,12 @@ _FIELDS = tuple(_ENV)
 class _Local(threading.local):
     # Class-level default: reading ``key`` in a thread that never entered ``config`` is a
     # plain lookup (``getattr(local, name, default)`` raises and catches, ~0.4 us).
-    key: tuple = ()
+    # ``key`` names this thread's stack of ``config`` frames (0: none), see ``_stack_id``.
+    key: int = 0
 
 
 _global: dict[str, Any] = {}
 _local = _Local()
-# Hashable snapshots of ``_global`` and of this thread's config stack, rebuilt when they
-# change (rarely) so that :func:`token`, read on every ``auto`` call, only looks them up.
-_global_key: tuple = ()
 
 
 _KIND = {float: "a float", int: "an int", str: "a path (str or os.PathLike)"}
@@ -117,7 +122,6 @@ def set_config(**settings: Any) -> None:
     Raises:
         BlockDiagError: unknown setting or out-of-range value.
     """
-    global _global_key
     try:
         for k, v in settings.items():
             if v is None:
@@ -127,7 +131,7 @@ def set_config(**settings: Any) -> None:
                 _global[k] = _validate(k, v, "set_config")
     finally:
         # Also after a bad value: the settings applied before it stay applied.
-        _global_key = tuple(sorted(_global.items()))
+        bump_epoch()
 
 
 def set_sparsity_threshold(value: float | None) -> None:
@@ -171,16 +175,31 @@ def config(**settings: Any) -> Iterator[None]:
     frame = {k: _validate(k, v, "config") for k, v in settings.items()}
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(frame)
-    _local.key = _stack_key(stack)
+    _local.key = _stack_id(stack)
     try:
         yield
     finally:
         stack.pop()
-        _local.key = _stack_key(stack)
+        _local.key = _stack_id(stack)
 
 
-def _stack_key(stack: list) -> tuple:
-    return tuple(tuple(sorted(f.items())) for f in stack)
+# A config stack's content, as a small int that :func:`epoch` hashes cheaply on every call.
+# Equal stacks get the same id (in any thread), so re-entering the same ``config`` block,
+# say once per training step, finds the plans cached the first time; an id is never reused
+# for other content (ids only grow, also after the table is forgotten).
+_stack_ids: dict[tuple, int] = {(): 0}
+_next_stack_id = itertools.count(1).__next__
+
+
+def _stack_id(stack: list) -> int:
+    content = tuple(tuple(sorted(f.items(), key=lambda kv: kv[0])) for f in stack)
+    sid = _stack_ids.get(content)
+    if sid is None:
+        if len(_stack_ids) > 4096:  # distinct settings without end: start again
+            _stack_ids.clear()
+            _stack_ids[()] = 0
+        sid = _stack_ids.setdefault(content, _next_stack_id())
+    return sid
 
 
 def _explicit(name: str) -> tuple[Any, str] | None:
@@ -206,32 +225,78 @@ def resolve(name: str, profile_value: Any = None, profile_label: str = "tuning p
     return getattr(DEFAULTS, name), "built-in default"
 
 
+# The epoch (the design is explained in blockdiag.dispatch's docstring).
+#
+# ``generation`` is the one counter every in-process mutator moves (``bump_epoch``):
+# ``set_config``, a profile written or forgotten (blockdiag.profile), a backend registered,
+# replaced or removed (blockdiag.backends._registry), and the periodic look at the profile
+# files and the thread count (``_recheck``) when it finds a change. It only grows, and each
+# bump takes a fresh value from a C-level counter (atomic under the GIL), so no two states
+# share one.
+generation = 0
+_next_generation = itertools.count(1).__next__
+# When (``time.monotonic``) :func:`epoch` next looks at the profile files on disk and at
+# the thread count; 0.0 after every bump, so the first call after a change looks at once.
+_recheck_at = 0.0
+
+
+def bump_epoch() -> None:
+    """Start a new epoch: every plan cached before is stale. Called after each mutation."""
+    global generation, _recheck_at
+    generation = _next_generation()
+    _recheck_at = 0.0
+
+
+def _recheck(now: float) -> None:
+    """Look at the profile files and the thread count (a change bumps the epoch)."""
+    global _recheck_at
+    # blockdiag.profile imports this module, so it is imported here, not at the top.
+    from . import profile
+
+    profile.changed_on_disk()
+    _recheck_at = now + profile.RECHECK_S  # after: a bump resets it to 0.0
+
+
 # Every variable the chooser's answer depends on (the profile path's included).
-_TOKEN_VARS = tuple(v for v, _ in _ENV.values()) + ("XDG_CACHE_HOME",)
+_EPOCH_VARS = tuple(v for v, _ in _ENV.values()) + ("XDG_CACHE_HOME",)
 # ``auto`` reads these on every forward call. ``os.environ.get`` encodes the key and
 # raises/catches KeyError per miss (about 1 us each); reading the encoded mapping directly
 # is ~20x cheaper and still sees every change made through ``os.environ``.
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
-_TOKEN_KEYS = tuple(_ENCODE(v) for v in _TOKEN_VARS) if _ENV_DATA is not None and _ENCODE else None
+_EPOCH_KEYS = tuple(_ENCODE(v) for v in _EPOCH_VARS) if _ENV_DATA is not None and _ENCODE else None
 
 
-if _TOKEN_KEYS is not None:
+if _EPOCH_KEYS is not None:
     # Unpacked by hand: five ``dict.get`` calls cost 130 ns, ``tuple(map(...))`` over the same
     # keys 310 ns, and this runs on every ``auto`` call. The unpacking fails at import if a
-    # variable is added to ``_ENV`` without a slot here. Flat, not nested: the token is hashed
-    # on every call too; ``token()[2:]`` are the variables' values.
-    _K0, _K1, _K2, _K3, _K4 = _TOKEN_KEYS
+    # variable is added to ``_ENV`` without a slot here. Flat, not nested: the epoch is hashed
+    # on every call too; ``epoch()[2:]`` are the variables' values.
+    _K0, _K1, _K2, _K3, _K4 = _EPOCH_KEYS
 
-    def token(_get=_ENV_DATA.get) -> tuple:
-        """A cheap value that changes whenever any explicit setting (config, set_*, env) does."""
-        return _local.key, _global_key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4)
+    def epoch(_get=_ENV_DATA.get, _now=time.monotonic) -> tuple:
+        """A cheap, hashable value that changes whenever ``auto``'s answer may change.
+
+        ``(generation, this thread's config stack, the five environment variables)``; the
+        profile files on disk and the thread count are looked at every
+        :data:`blockdiag.profile.RECHECK_S` seconds at most (a change bumps ``generation``).
+        See :mod:`blockdiag.dispatch`.
+        """
+        if _now() >= _recheck_at:
+            _recheck(_now())
+        return generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4)
 
 else:
 
-    def token() -> tuple:
-        """A cheap value that changes whenever any explicit setting (config, set_*, env) does."""
-        return (_local.key, _global_key, *map(os.environ.get, _TOKEN_VARS))
+    def epoch(_now=time.monotonic) -> tuple:
+        """A cheap, hashable value that changes whenever ``auto``'s answer may change."""
+        if _now() >= _recheck_at:
+            _recheck(_now())
+        return (generation, _local.key, *map(os.environ.get, _EPOCH_VARS))
+
+
+# The name before the epoch: memos keyed on it (blockdiag.nn.mlp's) keep working.
+token = epoch
 
 
 def get_settings() -> Settings:

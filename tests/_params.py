@@ -31,3 +31,27 @@ def backend_spy():
 
             m.setitem(_registry._REGISTRY, n, dataclasses.replace(b, fn=fn))
         yield ran
+
+
+def backends_and_auto():
+    """pytest params for every registered backend, then ``auto``, each with its name as id."""
+    from blockdiag.backends import names
+
+    return [pytest.param(n, id=n) for n in (*names(), "auto")]
+
+
+def require_backend(name, device="cpu"):
+    """Skip the calling test, with the reason, unless backend ``name`` runs on ``device`` here.
+
+    ``"auto"`` always runs (it picks among the backends that do).
+    """
+    if name == "auto":
+        return
+    from blockdiag.backends import get
+
+    b = get(name)
+    if device not in b.dtypes:
+        pytest.skip(f"backend {name!r} does not run on {device} (runs on {', '.join(sorted(b.dtypes))})")
+    why = b.unavailable_reason()
+    if why:
+        pytest.skip(f"backend {name!r} unavailable here: {why}")

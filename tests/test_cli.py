@@ -531,3 +531,69 @@ def test_an_unwritable_output_is_refused_before_measuring(cmd, option, ext, tmp_
     assert main([cmd, *TINY, option, str(missing), "--profile", str(tmp_path / "p.json")]) == 1
     err = capsys.readouterr().err
     assert f"blockdiag {cmd}: error: {option}: the directory {missing.parent} of {str(missing)!r} does not exist" in err
+
+
+def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, monkeypatch):
+    # --compiler aot_eager: dynamo and AOTAutograd trace the same graphs as inductor without
+    # generating code (seconds, not minutes, on 2 cores); asv's smoke run compiles with
+    # inductor (asv_bench/benchmarks/compiled.py). At G=3 the compiled vmap peer raises and the
+    # compiled loop of heads returns a wrong result: both are recorded in their rows, the run
+    # goes on, and that point has no compiled peer to compare with.
+    real_compile = torch.compile
+
+    def compile_(mod, **kw):
+        compiled = real_compile(mod, **kw)
+        if isinstance(mod, tuning._VmapEnsemble) and mod.groups == 3:
+            def fails(x):
+                raise RuntimeError("backend='x' raised:\nboom\nmore")
+            return fails
+        if isinstance(mod, tuning._HeadsLoop) and len(mod.heads) == 3:
+            return lambda x: compiled(x) * 2
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    out_json = tmp_path / "c.json"
+    assert main(["bench", *TINY, "--compiled", "--compiler", "aot_eager", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "c/eager" in printed and "c/peer" in printed and "wrong" in printed
+    assert "failed: train linear B=4 G=3 3x2 vmap_compiled: RuntimeError: backend='x' raised: boom" in printed
+    assert "train all: issue 21's targets:" in printed
+    doc = json.loads(out_json.read_text())
+    assert doc["compiled"] == {"models": ["linear", "mlp"], "compiler": "aot_eager", "dynamic": False}
+    rows = doc["rows"]
+    # --mode defaults to train with --compiled; each point has a GroupedLinear and a GroupedMLP row.
+    assert [(r["mode"], r["model"], r["groups"]) for r in rows] == [
+        ("train", "linear", 2), ("train", "mlp", 2), ("train", "linear", 3), ("train", "mlp", 3)]
+    for r in rows:
+        t = r["times_us"]
+        assert r["compiled_over_eager"]["auto"] == pytest.approx(t["auto_compiled"] / t["auto"], rel=2e-3, abs=1e-4)
+        assert r["compile_s"]["auto_compiled"] > 0 and r["graphs"]["auto_compiled"] >= 1
+        if r["groups"] == 2:
+            assert r["failed"] == {} and set(t) == {"auto", "auto_compiled", "loop_compiled", "vmap_compiled"}
+            assert t[r["best_peer"]] == min(t["loop_compiled"], t["vmap_compiled"])
+            assert r["compiled_over_best_peer"]["auto"] == pytest.approx(
+                t["auto_compiled"] / t[r["best_peer"]], rel=2e-3, abs=1e-4)
+        else:
+            assert set(r["failed"]) == {"loop_compiled", "vmap_compiled"} and set(t) == {"auto", "auto_compiled"}
+            assert r["failed"]["vmap_compiled"] == "RuntimeError: backend='x' raised: boom"
+            assert r["failed"]["loop_compiled"].startswith("wrong result: compiled result differs from eager: output off by")
+            assert r["best_peer"] is None and r["compiled_over_best_peer"] == {}
+    s = doc["summary"]["train"]
+    assert set(s) == {"linear", "mlp", "all"}
+    lin = [r["compiled_over_eager"]["auto"] for r in rows if r["model"] == "linear"]
+    assert s["linear"]["points"] == 2 and s["all"]["points"] == 4 and s["linear"]["failed_points"] == 0
+    assert s["linear"]["geomean_compiled_over_eager"] == pytest.approx((lin[0] * lin[1]) ** 0.5, abs=1e-4)
+    assert s["linear"]["max_compiled_over_eager"] == max(lin)
+    (one,) = [r for r in rows if r["model"] == "linear" and r["groups"] == 2]
+    assert s["linear"]["max_compiled_over_best_peer"] == one["compiled_over_best_peer"]["auto"]
+    assert s["linear"]["worst_point_compiled_over_best_peer"] == "linear B=4 G=2 3x2"
+    assert set(s["all"]["targets_met"]) == {
+        "geomean_compiled_over_eager<=1.02", "geomean_speedup_over_best_peer>=1.25",
+        "slower_than_no_compiled_peer", "compiled_everywhere"}
+
+
+def test_bench_compiled_rejects_unknown_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--compiled", "conv"])
+    assert e.value.code == 2
+    assert "argument --compiled: expected a comma-separated subset of linear,mlp, got 'conv'" in capsys.readouterr().err

@@ -23,7 +23,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert report["timing"] and all(t.get("times_us") for t in report["timing"])
     # The compile/export/torch.func matrix ran, on auto among others, and matched the reference.
     transforms = report["transforms"]
-    assert {r["backend"] for r in transforms} >= {"auto"} and all(r.get("ok") for r in transforms), transforms
+    assert any(r["backend"] == "auto" and r.get("ok") for r in transforms), transforms
+    assert all(r.get("ok") or "skipped" in r for r in transforms), transforms
     for step, result in (("bench_train", "bench_train.json"), ("tune_bf16", "profile_bf16.json")):
         assert report[step]["rc"] == 0, report[step]["output_tail"]
         assert (out / result).exists() and "result" in report[step]

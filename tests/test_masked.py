@@ -143,3 +143,143 @@ def test_a_non_finite_input_does_not_poison_other_blocks(device, bad):
     y = lin(torch.randn(2, 4, device=device))
     assert bool(torch.isfinite(y[:, :3]).all())
     lin.load_state_dict(lin.state_dict())  # its own checkpoint loads again
+
+
+# --- meta-device initialisation (issue 22, item 7) ------------------------------------------
+# Build under torch.device("meta"), mask, to_empty(device=...), then reset_parameters() or load
+# a checkpoint. `to_empty` leaves every tensor it re-creates uninitialised: `poisoned` makes
+# that memory deterministic and hostile (bool tensors all True, floats 2.5 or NaN), so a mask
+# kept in such a tensor fails every time, not only when the allocator hands out dirty pages.
+
+G, R, C = 4, 2, 3  # 4 blocks of 2 (out) x 3 (in): weight [8, 12]
+
+
+@pytest.fixture(params=["real", "poisoned-2.5", "poisoned-nan"])
+def to_empty_memory(request, monkeypatch):
+    if request.param != "real":
+        fill = 2.5 if request.param == "poisoned-2.5" else float("nan")
+        real = torch.empty_like
+
+        def poisoned(t, *args, **kwargs):
+            out = real(t, *args, **kwargs)
+            return out.fill_(True) if out.dtype == torch.bool else out.fill_(fill)
+
+        monkeypatch.setattr(torch, "empty_like", poisoned)  # what nn.Module.to_empty calls
+    return request.param
+
+
+def _meta_masked(device="cpu"):
+    with torch.device("meta"):
+        lin = mask_block_diagonal_(nn.Linear(G * C, G * R), G)
+    assert lin.weight.device.type == "meta"
+    return lin.to_empty(device=device)
+
+
+def _reference(seed):
+    torch.manual_seed(seed)
+    return mask_block_diagonal_(nn.Linear(G * C, G * R), G)  # __init__ draws the same numbers
+
+
+OFF = ~block_diag_mask(G, (R, C))
+
+
+def _assert_block_diagonal(lin):
+    assert bool((lin.weight[OFF] == 0.0).all()), f"off-diagonal reached {lin.weight[OFF].abs().max()}"
+    assert bool((lin.parametrizations.weight.original[OFF] == 0.0).all())
+
+
+def test_meta_init_then_reset_parameters_is_a_masked_fresh_linear(to_empty_memory):
+    lin = _meta_masked()
+    # Before any initialisation `original` is uninitialised memory, but `weight` is already
+    # exactly zero off the diagonal (the mask selects; NaN there does not leak).
+    assert bool((lin.weight[OFF] == 0.0).all())
+    torch.manual_seed(0)
+    lin.reset_parameters()
+    _assert_block_diagonal(lin)
+    ref = _reference(0)
+    # reset_parameters reached `original` (not a temporary copy of `weight`): the same
+    # numbers as a masked nn.Linear built on the CPU from the same seed, bit for bit.
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+    assert bool(torch.isfinite(lin(torch.randn(5, G * C))).all())
+
+
+def test_meta_init_then_load_state_dict_of_a_block_diagonal_checkpoint(to_empty_memory):
+    ref = _reference(1)
+    lin = _meta_masked()
+    lin.load_state_dict(ref.state_dict())  # a genuine block-diagonal checkpoint: accepted
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+    _assert_block_diagonal(lin)
+    # ... also when it comes from a plain nn.Linear whose weight is block-diagonal.
+    plain = nn.Linear(G * C, G * R)
+    with torch.no_grad():
+        plain.weight.masked_fill_(OFF, 0.0)
+    lin.load_state_dict(plain.state_dict())
+    assert torch.equal(lin.weight, plain.weight)
+    # A checkpoint with one off-diagonal non-zero is still refused, and names the entry.
+    sd = plain.state_dict()
+    sd["weight"][0, 5] = 0.25
+    with pytest.raises(BlockDiagError, match=r"non-zero 0\.25 at \(0, 5\)"):
+        lin.load_state_dict(sd)
+
+
+def test_meta_init_then_load_state_dict_assign():
+    ref = _reference(2)
+    with torch.device("meta"):
+        lin = mask_block_diagonal_(nn.Linear(G * C, G * R), G)
+    lin.load_state_dict(ref.state_dict(), assign=True)  # the meta tensors are replaced
+    assert lin.weight.device.type == "cpu"
+    assert torch.equal(lin.weight, ref.weight)
+    _assert_block_diagonal(lin)
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "adam", "adamw-decay"])
+def test_meta_init_then_training_keeps_offdiagonal_exactly_zero(to_empty_memory, opt):
+    lin = _meta_masked()
+    torch.manual_seed(3)
+    lin.reset_parameters()
+    ref = _reference(3)
+    x, target = torch.randn(16, G * C), torch.randn(16, G * R)
+    for model in (lin, ref):
+        optim = OPTIMIZERS[opt](model.parameters())
+        for _ in range(10):
+            optim.zero_grad()
+            # a loss that would pull every entry (diagonal or not) away from zero
+            (((model(x) - target) ** 2).mean() + model.weight.sum()).backward()
+            optim.step()
+            _assert_block_diagonal(model)
+    # the meta-initialised layer trains exactly as one built normally
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+
+
+def test_mask_is_derived_not_stored():
+    lin = mask_block_diagonal_(nn.Linear(G * C, G * R), G)
+    # Nothing for to_empty, load_state_dict or a device move to leave stale or uninitialised.
+    assert dict(lin.named_buffers()) == {}
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    assert torch.equal(lin.parametrizations.weight[0].mask, ~OFF)
+    assert lin.parametrizations.weight[0].mask_on("meta").shape == OFF.shape
+
+
+def test_mask_first_built_under_inference_mode_still_trains():
+    # The first CPU forward after to_empty runs under inference mode (serving warm-up): the
+    # cached mask must be a normal tensor, or the next training step could not save it.
+    lin = _meta_masked()
+    lin.parametrizations.weight[0]._masks.clear()
+    with torch.inference_mode():
+        lin(torch.randn(2, G * C))
+    lin(torch.randn(2, G * C)).sum().backward()
+    assert bool((lin.parametrizations.weight.original.grad[OFF] == 0.0).all())
+
+
+def test_reset_parameters_of_a_copy_and_after_removal():
+    import copy
+
+    lin = _reference(4)
+    twin = copy.deepcopy(lin)
+    before = lin.weight.detach().clone()
+    twin.reset_parameters()  # resets the copy, masked, and leaves the original alone
+    assert torch.equal(lin.weight, before) and not torch.equal(twin.weight, before)
+    _assert_block_diagonal(twin)
+    remove_block_diagonal_mask_(twin)
+    twin.reset_parameters()  # a plain nn.Linear again: dense initialisation
+    assert bool((twin.weight[OFF] != 0.0).all())

@@ -169,14 +169,20 @@ MLP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["auto"] + FIXED)
+# "backend/strategy": the auto backend under each GroupedMLP strategy, and every fixed backend
+# (whose layers always run as modules).
+MLP_RUNS = ["auto", "auto/layers", "auto/fm_chain"] + FIXED
+
+
+@pytest.mark.parametrize("name", MLP_RUNS)
 @pytest.mark.parametrize("heads_n, sizes, shared", MLP_CASES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_heads_matches_heads_outputs_and_grads(device, heads_n, sizes, shared, name):
-    if name != "auto" and not _runnable(name, device, g=1):
-        pytest.skip(f"{name} does not run float64 training on {device}")
+    backend, _, strategy = name.partition("/")
+    if backend != "auto" and not _runnable(backend, device, g=1):
+        pytest.skip(f"{backend} does not run float64 training on {device}")
     heads = _heads(heads_n, sizes, device=device)
-    model = GroupedMLP.from_heads(heads, shared_input=shared, backend=name)
+    model = GroupedMLP.from_heads(heads, shared_input=shared, backend=backend, strategy=strategy or "auto")
     n_in = sizes[0] * (1 if shared else heads_n)
     x = torch.randn(2, 7, n_in, device=device, dtype=torch.float64)
 
@@ -230,11 +236,12 @@ def test_activation_and_no_bias():
     assert len(hidden_free.layers) == 1 and hidden_free(x).shape == (6, 6)
 
 
-@pytest.mark.parametrize("name", ["auto", "bmm", "dense", "loop"])
+@pytest.mark.parametrize("name", ["auto", "auto/layers", "auto/fm_chain", "bmm", "dense", "loop"])
 def test_training_parity_50_steps(name):
     torch.manual_seed(3)
     heads = _heads(10, [15, 10, 10, 1], dtype=torch.float32)
-    model = GroupedMLP.from_heads(heads, backend=name)
+    backend, _, strategy = name.partition("/")
+    model = GroupedMLP.from_heads(heads, backend=backend, strategy=strategy or "auto")
     xs, ys = torch.randn(64, 15), torch.randn(64, 10)
     opt_a = torch.optim.Adam(heads.parameters(), lr=1e-2)
     opt_b = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -363,8 +370,9 @@ def test_module_to_device_dtype(device, dtype):
 
 
 @pytest.mark.parametrize("backend", ["auto", "bmm", "loop"])
-def test_grouped_mlp_empty_batch_and_mismatched_input(backend):
-    model = GroupedMLP(6, [4, 3], 2, heads=5, backend=backend)
+@pytest.mark.parametrize("strategy", ["auto", "layers"])
+def test_grouped_mlp_empty_batch_and_mismatched_input(backend, strategy):
+    model = GroupedMLP(6, [4, 3], 2, heads=5, backend=backend, strategy=strategy)
     x = torch.randn(0, 6, requires_grad=True)
     y = model(x)
     assert y.shape == (0, 10)

@@ -85,29 +85,29 @@ def test_config_is_thread_local():
     assert seen == [1.0]
 
 
-def test_token_changes_with_every_explicit_source(monkeypatch):
-    t0 = st.token()
+def test_epoch_changes_with_every_explicit_source(monkeypatch):
+    t0 = st.epoch()
     with blockdiag.config(sparsity_threshold=0.1):
-        t1 = st.token()
+        t1 = st.epoch()
     blockdiag.set_config(dense_max_groups=2)
-    t2 = st.token()
+    t2 = st.epoch()
     monkeypatch.setenv("BLOCKDIAG_DENSE_MAX_ELEMENTS", "7")
-    t3 = st.token()
+    t3 = st.epoch()
     monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere")
-    t4 = st.token()
+    t4 = st.epoch()
     assert len({t0, t1, t2, t3, t4}) == 5
 
 
-@pytest.mark.parametrize("var", st._TOKEN_VARS)
-def test_token_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var):
-    # The token reads os.environ's encoded mapping with the keys unpacked by hand; each
+@pytest.mark.parametrize("var", st._EPOCH_VARS)
+def test_epoch_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var):
+    # The epoch reads os.environ's encoded mapping with the keys unpacked by hand; each
     # variable must move it, and its values must be what os.environ.get returns.
     monkeypatch.delenv(var, raising=False)
-    before = st.token()
+    before = st.epoch()
     monkeypatch.setenv(var, "0.5")
-    after = st.token()
+    after = st.epoch()
     assert before != after
-    assert [None if v is None else os.fsdecode(v) for v in after[2:]] == [os.environ.get(v) for v in st._TOKEN_VARS]
+    assert [None if v is None else os.fsdecode(v) for v in after[2:]] == [os.environ.get(v) for v in st._EPOCH_VARS]
 
 
 @pytest.mark.parametrize(

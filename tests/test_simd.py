@@ -210,4 +210,4 @@ def test_unavailable_with_the_reason(fresh_library, monkeypatch, setup, reason):
 def test_a_library_with_another_abi_is_refused(fresh_library, monkeypatch):
     monkeypatch.setattr(simd, "_ABI", 999)  # as if the C sources were older than this module
     why = simd._library()[1]
-    assert why is not None and "has kernel ABI 1, this blockdiag needs 999" in why
+    assert why is not None and "has kernel ABI 2, this blockdiag needs 999" in why

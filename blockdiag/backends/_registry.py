@@ -8,10 +8,11 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .. import settings as _settings
 from .._checks import is_int
 from .._errors import BlockDiagError
 
-__all__ = ["Problem", "Backend", "BackendInfo", "register", "get", "names", "registry"]
+__all__ = ["Problem", "Backend", "BackendInfo", "register", "replace", "unregister", "get", "names", "registry"]
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 F32_F64 = frozenset({torch.float32, torch.float64})
@@ -107,6 +108,10 @@ class Backend:
             backward differs). Without autograd the two are the same computation, so
             ``auto`` ranks only the other one and ``tune``/``bench`` do not time this one;
             naming it explicitly still runs it.
+        isolates_groups: whether a NaN/Inf in one group's input (or upstream gradient) stays
+            in that group's output (input gradient). ``False`` (``dense``: ``0 * NaN`` is NaN)
+            keeps ``auto`` off it unless a dense crossover is set explicitly (see
+            :func:`blockdiag.dispatch.settings_exclusion`); naming it still runs it.
     """
 
     name: str
@@ -121,6 +126,7 @@ class Backend:
     probe: Optional[Callable[[], Optional[str]]] = None
     double_grad: bool = True
     same_forward_as: Optional[str] = None
+    isolates_groups: bool = True
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
@@ -162,20 +168,116 @@ class BackendInfo:
         return f"{self.name:13s} {state:40s} {self.summary}"
 
 
-_REGISTRY: dict[str, Backend] = {}
+class _Registry(dict):
+    """The registry's mapping: every change to it starts a new chooser epoch.
+
+    A plan depends on which backends are registered and on what each declares, so adding,
+    replacing (also under the same name, as tests' spies do with ``monkeypatch.setitem``)
+    or removing one must reach every cached plan (:func:`blockdiag.dispatch.epoch`). A
+    ``dict`` subclass, so lookups (``get``, on every call) stay C-speed; each mutating
+    method bumps the epoch after the change.
+    """
+
+    __slots__ = ()
+
+    def __setitem__(self, name, backend):
+        super().__setitem__(name, backend)
+        _settings.bump_epoch()
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        _settings.bump_epoch()
+
+    def __ior__(self, other):
+        super().__ior__(other)
+        _settings.bump_epoch()
+        return self
+
+    def pop(self, *args):
+        try:
+            return super().pop(*args)
+        finally:
+            _settings.bump_epoch()
+
+    def popitem(self):
+        try:
+            return super().popitem()
+        finally:
+            _settings.bump_epoch()
+
+    def setdefault(self, name, backend=None):
+        try:
+            return super().setdefault(name, backend)
+        finally:
+            _settings.bump_epoch()
+
+    def update(self, *args, **kwargs):
+        try:
+            super().update(*args, **kwargs)
+        finally:
+            _settings.bump_epoch()
+
+    def clear(self):
+        super().clear()
+        _settings.bump_epoch()
+
+
+_REGISTRY: dict[str, Backend] = _Registry()
+
+
+def _check_same_forward(fn_name: str, backend: Backend) -> None:
+    if backend.same_forward_as == backend.name:
+        raise BlockDiagError(f"{fn_name}: {backend.name!r} declares same_forward_as itself")
+    if backend.same_forward_as is not None and backend.same_forward_as not in _REGISTRY:
+        raise BlockDiagError(
+            f"{fn_name}: {backend.name!r} declares same_forward_as={backend.same_forward_as!r}, "
+            "which is not registered (register that backend first)"
+        )
 
 
 def register(backend: Backend) -> Backend:
-    """Add a backend; a duplicate name raises :class:`BlockDiagError`."""
+    """Add a backend; a duplicate name raises :class:`BlockDiagError` (see :func:`replace`)."""
     if backend.name in _REGISTRY or backend.name == "auto":
         raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
-    if backend.same_forward_as is not None and backend.same_forward_as not in _REGISTRY:
-        raise BlockDiagError(
-            f"register: {backend.name!r} declares same_forward_as={backend.same_forward_as!r}, "
-            "which is not registered (register that backend first)"
-        )
+    _check_same_forward("register", backend)
     _REGISTRY[backend.name] = backend
     return backend
+
+
+def replace(backend: Backend) -> Backend:
+    """Put ``backend`` in the place of the registered backend of the same name.
+
+    It keeps its place in the registration order, and every plan cached before is stale
+    from then on (a new epoch). Pass the returned backend to ``replace`` to undo.
+
+    Returns:
+        the backend it replaced.
+
+    Raises:
+        BlockDiagError: no backend of that name is registered (use :func:`register`), or
+            its ``same_forward_as`` names an unregistered backend.
+    """
+    old = get(backend.name, "replace", auto_valid=False)
+    _check_same_forward("replace", backend)
+    _REGISTRY[backend.name] = backend
+    return old
+
+
+def unregister(name: str) -> Backend:
+    """Remove the backend registered as ``name`` (a new epoch); returns it.
+
+    Raises:
+        BlockDiagError: unknown name, or another backend declares ``same_forward_as=name``
+            (remove that one first).
+    """
+    old = get(name, "unregister", auto_valid=False)
+    users = [b.name for b in _REGISTRY.values() if b.same_forward_as == name]
+    if users:
+        raise BlockDiagError(
+            f"unregister: {', '.join(map(repr, users))} declare same_forward_as={name!r}; unregister them first"
+        )
+    del _REGISTRY[name]
+    return old
 
 
 def names() -> tuple[str, ...]:

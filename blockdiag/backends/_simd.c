@@ -21,8 +21,65 @@
 #error "blockdiag's simd kernels need AVX-512F (the compiler, with -march=native, reports this CPU lacks it)"
 #endif
 
-/* Bumped whenever an exported signature changes; simd.py refuses a library with another. */
-int bd_abi_version(void) { return 1; }
+/* Bumped whenever an exported signature or return convention changes; simd.py refuses a
+ * library with another. 2: every entry point checks its arguments and returns a code. */
+int bd_abi_version(void) { return 2; }
+
+/* Return codes of the exported entry points. Every argument is checked before anything is
+ * read or written; simd.py turns a non-zero code into a BlockDiagError naming the argument
+ * and the values it passed. k is the argument's 1-based position in the signature.
+ *    0           done
+ *   -1           out of memory: the packed weight panels could not be allocated
+ *   -(100 + k)   argument k is a null pointer for a non-empty matrix (the bias and the bias
+ *                gradient are optional: null means none)
+ *   -(200 + k)   argument k is a negative size, or a thread count below 1
+ *   -(300 + k)   argument k, a leading dimension, is below its matrix's width: an output with
+ *                more than one row needs at least its width, an input at least its width or
+ *                exactly 0 (every row reads the same row); none may be negative
+ *   -(400 + k)   argument k makes an element count or a byte offset overflow (beyond INT64_MAX)
+ */
+#define BD_ENOMEM (-1)
+#define BD_ENULL(k) (-(100 + (k)))
+#define BD_ESIZE(k) (-(200 + (k)))
+#define BD_ELD(k) (-(300 + (k)))
+#define BD_EOVERFLOW(k) (-(400 + (k)))
+
+/* The sizes of a call: rows, G, I, O (arguments kr, kg, ki, ko) at least 0, nthreads (kt) at
+   least 1, and G*I, G*O, G*O*I (returned) with their byte sizes within int64. */
+static int bd_sizes(int64_t rows, int kr, int64_t G, int kg, int64_t I, int ki, int64_t O, int ko,
+                    int nthreads, int kt, int64_t es, int64_t* gi, int64_t* go, int64_t* goi)
+{
+    int64_t bytes;
+    if (rows < 0) return BD_ESIZE(kr);
+    if (G < 0) return BD_ESIZE(kg);
+    if (I < 0) return BD_ESIZE(ki);
+    if (O < 0) return BD_ESIZE(ko);
+    if (nthreads < 1) return BD_ESIZE(kt);
+    if (__builtin_mul_overflow(G, I, gi) || __builtin_mul_overflow(*gi, es, &bytes)) return BD_EOVERFLOW(ki);
+    if (__builtin_mul_overflow(G, O, go) || __builtin_mul_overflow(*go, es, &bytes)) return BD_EOVERFLOW(ko);
+    if (__builtin_mul_overflow(*go, I, goi) || __builtin_mul_overflow(*goi, es, &bytes)) return BD_EOVERFLOW(ki);
+    /* The packed panels round a side up to whole vectors (at most 16 lanes) and are held once
+       per thread: keep that product within int64 too. */
+    if (__builtin_mul_overflow(O + 16, I + 16, &bytes) || __builtin_mul_overflow(bytes, es * nthreads, &bytes))
+        return BD_EOVERFLOW(kt);
+    return 0;
+}
+
+/* A row-major matrix of rows x width elements of es bytes at p (argument kp) with leading
+   dimension ld (argument kl); out: it is written. */
+static int bd_matrix(const void* p, int kp, int64_t ld, int kl, int64_t rows, int64_t width, int out, int64_t es)
+{
+    int64_t last;
+    if (ld < 0) return BD_ELD(kl);
+    if (rows == 0 || width == 0) return 0;
+    if (!p) return BD_ENULL(kp);
+    if (rows > 1 && ld < width && (out || ld != 0)) return BD_ELD(kl);
+    /* The byte offset of the end of the last row: (rows - 1) * ld + width elements. */
+    if (__builtin_mul_overflow(rows - 1, ld, &last) || __builtin_add_overflow(last, width, &last)
+        || __builtin_mul_overflow(last, es, &last))
+        return BD_EOVERFLOW(kl);
+    return 0;
+}
 
 #define INL static inline __attribute__((always_inline))
 

@@ -291,7 +291,9 @@ static int CAT(bdmm, SFX)(const T* x, int64_t ldx, const T* w, int trans, const 
     int nvmax = (int)(((N < MAXNV * VL ? N : MAXNV * VL) + VL - 1) / VL);
     int64_t rt = RTILE(nvmax);
     int64_t ntiles = (rows + rt - 1) / rt;
-    int64_t gc = (256 * 1024) / (sp * (int64_t)sizeof(T));
+    /* sp >= 1 here (the entry points run no empty products), and sp * sizeof(T) * nthreads fits
+       int64 (bd_sizes). */
+    int64_t gc = sp > (256 * 1024) / (int64_t)sizeof(T) ? 1 : (256 * 1024) / (sp * (int64_t)sizeof(T));
     if (gc < 1) gc = 1;
     if (gc > G) gc = G;
     /* By groups when a group's panel has more rows than the batch: B=32 G=16 64x64 21 against
@@ -355,10 +357,23 @@ static int CAT(use_dot, SFX)(int64_t I, int64_t O)
     return O * 8 <= VL * 5 && I >= 4 * VL;
 }
 
-/* forward: w is [G][O][I] contiguous; y = x @ blockdiag(w)^T + bias. Returns 0, or -1 when out of memory. */
+/* forward: w is [G][O][I] contiguous; y = x @ blockdiag(w)^T + bias. Returns 0, or a code of
+   _simd.c's list (-1: out of memory; the others: an argument refused, nothing read or written). */
 int CAT(bd_forward, SFX)(const T* x, int64_t ldx, const T* w, const T* bias, T* y, int64_t ldy,
                          int64_t rows, int64_t G, int64_t I, int64_t O, int nthreads)
 {
+    int64_t gi, go, goi;
+    int e = bd_sizes(rows, 7, G, 8, I, 9, O, 10, nthreads, 11, (int64_t)sizeof(T), &gi, &go, &goi);
+    if (!e) e = bd_matrix(x, 1, ldx, 2, rows, gi, 0, (int64_t)sizeof(T));
+    if (!e && goi > 0 && !w) e = BD_ENULL(3);
+    if (!e) e = bd_matrix(y, 5, ldy, 6, rows, go, 1, (int64_t)sizeof(T));
+    if (e) return e;
+    if (rows == 0 || go == 0) return 0;
+    if (I == 0) {  /* no inputs: every row is the bias (or zero) */
+        for (int64_t n = 0; n < rows; n++)
+            for (int64_t j = 0; j < go; j++) y[n * ldy + j] = bias ? bias[j] : (T)0;
+        return 0;
+    }
     if (CAT(use_dot, SFX)(I, O)) {
         CAT(bdmm_dot, SFX)(x, ldx, w, bias, y, ldy, rows, G, I, O, nthreads);
         return 0;
@@ -370,6 +385,17 @@ int CAT(bd_forward, SFX)(const T* x, int64_t ldx, const T* w, const T* bias, T* 
 int CAT(bd_grad_input, SFX)(const T* gy, int64_t ldgy, const T* w, T* gx, int64_t ldgx,
                             int64_t rows, int64_t G, int64_t I, int64_t O, int nthreads)
 {
+    int64_t gi, go, goi;
+    int e = bd_sizes(rows, 6, G, 7, I, 8, O, 9, nthreads, 10, (int64_t)sizeof(T), &gi, &go, &goi);
+    if (!e) e = bd_matrix(gy, 1, ldgy, 2, rows, go, 0, (int64_t)sizeof(T));
+    if (!e && goi > 0 && !w) e = BD_ENULL(3);
+    if (!e) e = bd_matrix(gx, 4, ldgx, 5, rows, gi, 1, (int64_t)sizeof(T));
+    if (e) return e;
+    if (rows == 0 || gi == 0) return 0;
+    if (O == 0) {  /* no outputs: a zero gradient */
+        for (int64_t n = 0; n < rows; n++) memset(gx + n * ldgx, 0, (size_t)gi * sizeof(T));
+        return 0;
+    }
     return CAT(bdmm, SFX)(gy, ldgy, w, 0, 0, gx, ldgx, rows, G, O, I, nthreads);
 }
 
@@ -468,13 +494,28 @@ static void CAT(wtile_groups_any, SFX)(const T* gy, int64_t ldgy, const T* x, in
 /* weight and bias gradients: gw[g][o][i] = sum_n gy[n, g*O+o] x[n, g*I+i], gb[g*O+o] = sum_n gy[n, g*O+o].
    gb may be NULL. The bias sums ride along with the one-tile groups' tiles, and follow each output
    tile's first column chunk in the per-group path. */
-void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, T* gw, T* gb,
-                              int64_t rows, int64_t G, int64_t I, int64_t O, int nthreads)
+int CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, T* gw, T* gb,
+                             int64_t rows, int64_t G, int64_t I, int64_t O, int nthreads)
 {
-    if (rows <= 0) {
-        memset(gw, 0, (size_t)(G * O * I) * sizeof(T));
-        if (gb) memset(gb, 0, (size_t)(G * O) * sizeof(T));
-        return;
+    int64_t gi, go, goi;
+    int e = bd_sizes(rows, 7, G, 8, I, 9, O, 10, nthreads, 11, (int64_t)sizeof(T), &gi, &go, &goi);
+    if (!e) e = bd_matrix(gy, 1, ldgy, 2, rows, go, 0, (int64_t)sizeof(T));
+    if (!e) e = bd_matrix(x, 3, ldx, 4, rows, gi, 0, (int64_t)sizeof(T));
+    if (!e && goi > 0 && !gw) e = BD_ENULL(5);
+    if (e) return e;
+    if (rows == 0) {
+        if (goi > 0) memset(gw, 0, (size_t)goi * sizeof(T));
+        if (gb && go > 0) memset(gb, 0, (size_t)go * sizeof(T));
+        return 0;
+    }
+    if (goi == 0) {  /* no weights (I == 0, or no outputs): only the bias sums, if any */
+        if (gb)
+            for (int64_t j = 0; j < go; j++) {
+                T s = 0;
+                for (int64_t n = 0; n < rows; n++) s += gy[n * ldgy + j];
+                gb[j] = s;
+            }
+        return 0;
     }
     int64_t ichunks = (I + MAXNV * VL - 1) / (MAXNV * VL);
     int nvmax = (int)(((I < MAXNV * VL ? I : MAXNV * VL) + VL - 1) / VL);
@@ -520,6 +561,7 @@ void CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx
             }
         }
     }
+    return 0;
 }
 #undef CAT2
 #undef CAT

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import OpEntry, define
+from ..ops._define import fake_rows
 from ._registry import FLOATS, Backend, register
 
 
@@ -32,7 +33,9 @@ def _backward(gy, x, weight, has_bias, need_x, need_w):
     )
 
 
-conv = define(OpEntry("conv", _forward, _backward, traceable=True))
+# An explicit fake kernel: torch's own fake convolution guards on the batch size, which
+# would cost a compiled graph per batch range.
+conv = define(OpEntry("conv", _forward, _backward, traceable=True, fake=fake_rows))
 
 
 def _constraint(p) -> str | None:

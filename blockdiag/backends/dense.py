@@ -1,4 +1,15 @@
-"""``dense``: one GEMM with the dense ``[G*out, G*in]`` block-diagonal matrix built from the blocks."""
+"""``dense``: one GEMM with the dense ``[G*out, G*in]`` block-diagonal matrix built from the blocks.
+
+Non-finite values cross groups here, and only here: the off-diagonal zeros are multiplied,
+and ``0 * NaN`` and ``0 * inf`` are NaN. A NaN or Inf in group ``g``'s input in row ``n``
+makes row ``n``'s output NaN in every group (forward), and one in the upstream gradient of
+group ``g`` in row ``n`` makes row ``n``'s input gradient NaN in every group (backward, the
+same GEMM transposed). Other rows, and the weight and bias gradients (per block), stay
+confined, as they are with every other backend. The backend therefore declares
+``isolates_groups=False``, and ``auto`` uses it only where ``dense_max_groups`` or
+``dense_max_elements`` is set explicitly (``blockdiag.config``, ``set_config`` or the
+environment). Naming ``backend="dense"`` still runs it.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +53,8 @@ BACKEND = register(
         fn=dense,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
         dense_matrix=True,
-        summary="one GEMM on the dense block-diagonal matrix (G^2 memory; few small groups)",
+        summary="one GEMM on the dense block-diagonal matrix (G^2 memory; few small groups; "
+        "a NaN/Inf in one group's input reaches every group's output)",
+        isolates_groups=False,
     )
 )

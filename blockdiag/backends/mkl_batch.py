@@ -13,9 +13,15 @@ torch's threads.
 
 The symbols come from the MKL that torch's x86 builds link into ``libtorch_cpu``; a torch
 built without MKL (ARM, macOS) makes the backend unavailable, with the reason. Its first
-call runs a small product checked against ``torch.bmm`` and raises :class:`BlockDiagError`
-if they differ, so a build whose MKL does not behave as assumed is never used; the
-availability probe itself only looks up the symbols (see ``_probe``). All integer arguments
+call in a dtype runs that dtype's three products (forward, input and weight gradient) on
+small slices, checked against torch in float64, and raises :class:`BlockDiagError`, saying
+what differed, if they differ, so a build whose MKL does not behave as assumed is never used
+(``self_check``: on explicit CPU tensors, outside autocast, inference mode, ``torch.func``
+transforms, dispatch modes and ``torch.set_default_device``; cached per dtype); the
+availability probe itself only looks up the symbols (see ``_probe``). ``_gemm`` refuses
+with :class:`BlockDiagError` anything but plain strided CPU tensors of the kernel's dtype,
+sizes beyond 32 bits and matrices that would reach outside their tensor's storage, and
+applies negative and conjugate views before taking pointers. All integer arguments
 are passed as 64-bit integers holding values below ``2**31``: on little-endian x86-64 that
 reads correctly under both the LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the
 constraint declines sizes that would not fit 32 bits.
@@ -104,23 +110,47 @@ def _offsets(groups: int, step_a: int, step_b: int, step_c: int) -> np.ndarray:
 
 
 def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype, output: bool = False) -> torch.Tensor:
-    """``t`` if MKL may take its pointer (negative and conjugate bits resolved, strides kept); else BlockDiagError.
+    """``t`` if MKL may take its pointer (neg/conj bits resolved, strides kept), else BlockDiagError.
 
     A plain strided CPU tensor (no subclass, FakeTensor or meta tensor) of ``dtype``; an output
     must carry no negative or conjugate bit (what MKL writes would not be what ``t`` reads).
     """
-    if type(t) not in _PLAIN or t.layout != torch.strided or t.device.type != "cpu":
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout is not torch.strided:
         raise BlockDiagError(
             f"mkl_batch: {arg} must be a plain strided CPU tensor for MKL, got "
             f"{type(t).__name__} on {t.device} with layout {t.layout}"
         )
-    if t.dtype != dtype:
+    if t.dtype is not dtype:
         raise BlockDiagError(f"mkl_batch: {arg} must be {dtype}, got {t.dtype}")
+    _stored("mkl_batch", arg, t)
     if t.is_neg() or t.is_conj():
         if output:
-            raise BlockDiagError(f"mkl_batch: {arg} is written by MKL and must not be a negative or conjugate view")
+            raise BlockDiagError(
+                f"mkl_batch: {arg} is written by MKL and must not be a negative or conjugate view"
+            )
         t = _resolved(t)
     return t
+
+
+def _stored(backend: str, arg: str, t: torch.Tensor) -> None:
+    """Raise BlockDiagError unless ``t``'s storage is allocated and holds every element of the view."""
+    n = t.numel()
+    if not n:
+        return
+    if t.is_contiguous():
+        end = t.storage_offset() + n
+    else:
+        end = t.storage_offset() + 1 + sum([(a - 1) * b for a, b in zip(t.shape, t.stride())])
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError) as e:  # a batched or functional wrapper (legacy vmap, ...)
+        raise BlockDiagError(f"{backend}: {arg} has no storage of its own ({e}): a wrapper tensor cannot be "
+                             f"handed to the kernels") from None
+    if storage.nbytes() < end * t.element_size() or not storage.data_ptr():
+        raise BlockDiagError(
+            f"{backend}: {arg} has no storage for its elements (shape {tuple(t.shape)}, "
+            f"strides {t.stride()}, offset {t.storage_offset()}, {storage.nbytes()} bytes of storage)"
+        )
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:
@@ -140,25 +170,25 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reach(arg: str, t: torch.Tensor, groups: int, step: int, rows: int, cols: int, ld: int) -> None:
-    """Raise BlockDiagError unless ``groups`` ``rows x cols`` matrices ``step`` elements apart lie in ``t``'s storage."""
+    """BlockDiagError unless ``groups`` matrices ``rows x cols``, ``step`` apart, lie in ``t``'s storage."""
     if groups == 0 or rows == 0 or cols == 0:
         return
     if ld < max(cols, 1) or step < 0:
-        raise BlockDiagError(f"mkl_batch: {arg}'s leading dimension {ld} is below its width {cols} (or its group "
-                             f"step {step} is negative)")
+        raise BlockDiagError(f"mkl_batch: {arg}'s leading dimension {ld} is below its width {cols} "
+                             f"(or its group step {step} is negative)")
     storage = t.untyped_storage()
     need = (groups - 1) * step + (rows - 1) * ld + cols
     have = storage.nbytes() // t.element_size() - t.storage_offset()
     if storage.data_ptr() == 0 or need > have:
         raise BlockDiagError(
-            f"mkl_batch: {arg} holds {max(have, 0)} elements from its start (shape {tuple(t.shape)}, storage of "
-            f"{storage.nbytes()} bytes), the GEMM would read {need}: {groups} matrices of {rows}x{cols}, "
-            f"leading dimension {ld}, {step} apart"
+            f"mkl_batch: {arg} holds {max(have, 0)} elements from its start (shape {tuple(t.shape)}, "
+            f"storage of {storage.nbytes()} bytes), the GEMM would reach {need}: {groups} matrices of "
+            f"{rows}x{cols}, leading dimension {ld}, {step} apart"
         )
 
 
 def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups):
-    """``C_j = op(A_j) @ op(B_j)`` for ``j < groups``, row-major; ``A_j`` starts ``j*step_a`` elements into ``a``.
+    """``C_j = op(A_j) @ op(B_j)`` for ``j < groups``, row-major; ``A_j`` starts ``j*step_a`` elements in ``a``.
 
     Every argument is checked first (plain CPU tensors of one dtype, sizes that fit 32 bits,
     every matrix inside its tensor's storage) and refused with BlockDiagError: MKL is never
@@ -224,6 +254,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             f"mkl_batch: inconsistent shapes: input {tuple(x.shape)}, weight {tuple(weight.shape)}"
             + ("" if bias is None else f", bias {tuple(bias.shape)}")
         )
+    if x.dtype not in _SYMBOLS:
+        raise BlockDiagError(f"mkl_batch: input is {x.dtype}; MKL's batched GEMM runs float32 and float64")
     g, o, i = weight.shape
     n = x.shape[0]
     x, ldx = _rows(_operand("input", x, x.dtype), g * i)
@@ -344,14 +376,17 @@ def _run_check(dtype: torch.dtype) -> Optional[str]:
     x = rand(n, g * i + 2)[:, 1 : 1 + g * i]
     gy = rand(n, g * o + 3)[:, 2 : 2 + g * o]
     w = rand(g, o, i)
-    xs, gys, wd = x.double().reshape(n, g, i).transpose(0, 1), gy.double().reshape(n, g, o).transpose(0, 1), w.double()
+    xs = x.double().reshape(n, g, i).transpose(0, 1)
+    gys = gy.double().reshape(n, g, o).transpose(0, 1)
+    wd = w.double()
     gx = torch.empty(n, g * i, dtype=dtype, device="cpu")
     gw = torch.empty(g, o, i, dtype=dtype, device="cpu")
     _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, gy.stride(0), w, o * i, i, gx, i, g * i, g)
     _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, gy.stride(0), x, i, x.stride(0), gw, o * i, i, g)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
     for what, got, want in (
-        ("forward", _forward(x, w, None), torch.bmm(xs, wd.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)),
+        ("forward", _forward(x, w, None),
+         torch.bmm(xs, wd.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)),
         ("input gradient", gx, torch.bmm(gys, wd).transpose(0, 1).reshape(n, g * i)),
         ("weight gradient", gw, torch.bmm(gys.transpose(1, 2), xs)),
     ):

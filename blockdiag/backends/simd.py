@@ -22,10 +22,28 @@ block-diagonal product itself (``_simd.c`` and ``_simd_body.h`` beside this modu
 How it is built and found:
 
 - The sources are compiled on first use, on the machine that runs them, with the C compiler
-  ``$CC`` (default ``cc``): ``-O3 -march=native -fopenmp``.
-- The shared library is cached in ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``), or
-  in the system temporary directory when that is not writable. It is written to a temporary
-  name and renamed, so concurrent first uses never load a half-written file.
+  ``$CC`` (default ``cc``): ``-O3 -march=native -fopenmp``, as C (``-x c``) whatever the
+  driver, so ``CC=g++`` works too.
+- The shared library is cached in ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``). That
+  folder and its parent are created private (mode 0700) and checked before use: owned by this
+  user and writable by no one else (one of this user's that the group or others may write is
+  made private). When the cache cannot be used, the library is built in a new private folder
+  of the temporary directory (``mkdtemp``: an unpredictable name, mode 0700) for this process
+  only: never at a predictable shared path, where another user could plant a library first.
+- The library file carries a build record: its size and SHA-256, appended when it is built
+  and renamed into place with it, so concurrent first uses never load a half-written file.
+  A cached file is opened (no symbolic link followed), checked on that open file (a regular
+  file owned by this user, writable by no one else, its size and content hash as recorded)
+  and only then loaded, if its path still names that same file: a truncated, damaged or
+  foreign file is rebuilt (or the backend reported unavailable with the reason), never mapped.
+- Every symbol is looked up before use: a library without them (a C++ build, another
+  library) makes the backend unavailable with the reason, as does a compiler that exits
+  without producing a library.
+- The exported entry points check their arguments (null pointers, negative sizes, leading
+  dimensions below the widths, sizes whose products overflow) and return a code, which
+  becomes a :class:`BlockDiagError` naming the argument and its value (see ``_simd.c``); the
+  Python side first refuses anything but plain strided CPU tensors with real storage, and
+  resolves negative and conjugate views before taking their pointers.
 - Its name hashes the sources, the flags, the compiler's version and this CPU's model and
   flags, so a home directory shared by different machines never loads a library built for
   another CPU.
@@ -35,9 +53,11 @@ How it is built and found:
 The availability probe compiles (once per machine; about 10 s) and loads the library, but
 runs nothing: running OpenMP code before a ``fork`` would hang the forked child's first
 parallel op (see ``mkl_batch``). The backend is unavailable, with the reason, off Linux
-x86-64, without AVX-512F, without a C compiler, or when compiling fails. The first call
-checks the kernels against torch on small products in both dtypes and raises
-:class:`BlockDiagError` if they differ.
+x86-64, without AVX-512F, without a C compiler, or when compiling fails. The first call in
+a dtype checks that dtype's kernels against torch on small products (``self_check``: on
+explicit CPU tensors, outside autocast, inference mode, ``torch.func`` transforms, dispatch
+modes and ``torch.set_default_device``; the verdict cached per dtype) and raises
+:class:`BlockDiagError`, saying what differed, if they do.
 
 It runs float32 and float64 on CPU. Under ``create_graph=True`` its backward is ``bmm``'s,
 written in differentiable ops, so double backward works. Empty problems (a zero batch or
@@ -46,12 +66,15 @@ block side) run ``bmm_fm``'s torch ops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -60,22 +83,43 @@ from typing import Optional
 
 import torch
 
+from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, register
 from ..ops import OpEntry, define
 from .bmm import _fm_backward, bmm_fm_forward
 
-# Bumped with _simd.c's bd_abi_version() whenever an exported signature changes.
-_ABI = 1
+# Bumped with _simd.c's bd_abi_version() whenever an exported signature or return convention
+# changes. 2: every entry point checks its arguments and returns a code (see _simd.c).
+_ABI = 2
 _SOURCES = ("_simd.c", "_simd_body.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    # name: (restype, argtypes); see _simd_body.h for the meaning of each argument.
-    "bd_forward": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT]),
-    "bd_grad_input": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT]),
-    "bd_grad_weight": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]),
+    # name: (restype, argtypes, argument names); see _simd_body.h for the meaning of each argument.
+    "bd_forward": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+                   ("x", "ldx", "weight", "bias", "y", "ldy", "rows", "G", "I", "O", "nthreads")),
+    "bd_grad_input": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+                      ("grad", "ldgrad", "weight", "grad_input", "ldgrad_input",
+                       "rows", "G", "I", "O", "nthreads")),
+    "bd_grad_weight": (_INT, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT],
+                       ("grad", "ldgrad", "x", "ldx", "grad_weight", "grad_bias",
+                        "rows", "G", "I", "O", "nthreads")),
 }
+# The kinds of refusal in the entry points' return codes -(100 * kind + argument), see _simd.c.
+_REFUSED = {
+    1: "a null pointer for a non-empty matrix",
+    2: "a negative size or a thread count below 1",
+    3: "a leading dimension below its matrix's width",
+    4: "an element count or byte offset that overflows 64 bits",
+}
+# Every library file ends with this record, appended at build time and renamed into place with
+# the library in one step: a magic, the size of the library before it and its SHA-256. A file
+# is loaded only when the record matches its content, so a truncated, damaged or foreign file
+# is never mapped (mapping a truncated ELF file kills the process with SIGBUS).
+_RECORD = struct.Struct("<8sQ32s")
+_MAGIC = b"bdsimd\x00\x02"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _cpu_description() -> str:
@@ -99,21 +143,216 @@ def kernel_dir() -> Path:
     return Path(base) / "blockdiag" / "kernels"
 
 
-def _build(cc: str, source_dir: Path, target: Path) -> Optional[str]:
-    """Compile the kernels into ``target`` (atomically); why it failed, or None."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [cc, *_FLAGS, "-o", str(tmp), str(source_dir / "_simd.c")]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"compiling the kernels with {cc} failed: {e}"
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        tail = " ".join(done.stderr.strip().splitlines()[-3:])
-        return f"compiling the kernels with {cc} failed (exit {done.returncode}): {tail}"
-    os.replace(tmp, target)
+def _private(folder: Path) -> Optional[str]:
+    """Why ``folder`` may not hold libraries loaded into this process, or None.
+
+    It must be a folder owned by this user that no one else can write. One of ours that the
+    group or others may write (an older blockdiag's, or made under a permissive umask) is
+    first made private: the files in it are checked one by one before use anyway.
+    """
+    st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if st.st_uid != os.getuid():
+        return f"{folder} is owned by user id {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+        if os.stat(folder).st_mode & 0o022:
+            return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
+
+
+def _cache_folder(folder: Path) -> Optional[str]:
+    """Make the cache ``folder`` (``.../blockdiag/kernels``) and its parent private to this user.
+
+    Created with mode 0700 when missing, then checked (:func:`_private`). Why it cannot be
+    used, or None.
+    """
+    try:
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        for f in (folder.parent, folder):
+            try:
+                os.mkdir(f, 0o700)
+            except FileExistsError:
+                pass
+            why = _private(f)
+            if why is not None:
+                return why
+    except OSError as e:
+        return f"cannot make the kernel cache {folder}: {e}"
+    return None
+
+
+_PRIVATE_TEMP: list = []
+
+
+def _private_temp_folder() -> Path:
+    """A new folder only this user can use (``mkdtemp``: mode 0700, an unpredictable name).
+
+    Removed at exit.
+    """
+    base = Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="blockdiag-kernels-", dir=base))
+    if not _PRIVATE_TEMP:
+        import atexit
+
+        atexit.register(_remove_private_temp, os.getpid())
+    _PRIVATE_TEMP.append(folder)
+    why = _private(folder)
+    if why is not None:
+        raise OSError(why)
+    return folder
+
+
+def _remove_private_temp(pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that exits normally
+        for folder in _PRIVATE_TEMP:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _record(library: bytes) -> bytes:
+    return _RECORD.pack(_MAGIC, len(library), hashlib.sha256(library).digest())
+
+
+def _damage(data: bytes) -> Optional[str]:
+    """Why ``data`` (a whole library file) is not a library as built here with its record, or None."""
+    if len(data) < _RECORD.size:
+        return f"is {len(data)} bytes, too short for a compiled library and its build record"
+    magic, size, digest = _RECORD.unpack_from(data, len(data) - _RECORD.size)
+    if magic != _MAGIC:
+        return "has no build record of this blockdiag (damaged, or not written by it)"
+    if size != len(data) - _RECORD.size:
+        return f"is damaged: {len(data) - _RECORD.size} bytes where {size} were built"
+    if hashlib.sha256(memoryview(data)[:size]).digest() != digest:
+        return "is damaged: its content hash differs from the one recorded when it was built"
+    return None
+
+
+def _build(cc: str, source_dir: Path, target: Path) -> Optional[str]:
+    """Compile the kernels into ``target`` with their build record (atomically); why it failed, or None.
+
+    Raises OSError when ``target``'s folder cannot be written.
+    """
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp: Optional[Path] = Path(name)
+    # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
+    cmd = [cc, *_FLAGS, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
+    try:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"compiling the kernels with {cc} failed: {e}"
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            return f"compiling the kernels with {cc} failed (exit {done.returncode}): {tail}"
+        data = tmp.read_bytes()
+        if not data:
+            return f"the C compiler {cc} exited 0 but produced no library ({' '.join(cmd)})"
+        with open(tmp, "ab") as f:
+            f.write(_record(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+        tmp = None
+        return None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """``(library, None)`` when ``path`` is this user's, private and intact, else ``(None, why not)``.
+
+    The file is opened once (no symbolic link followed) and its owner, mode and content are
+    checked on that open file; the loader then maps ``path``, which must still be that file
+    (same device and inode; only this user can write the folder). Not ``/proc/self/fd/N``:
+    the loader recognises libraries by name, so a later file opened under a reused
+    descriptor number would get the earlier library.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"cannot open {path}: {e}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file"
+        if st.st_uid != os.getuid():
+            return None, f"{path} is owned by user id {st.st_uid}, not by this user ({os.getuid()})"
+        if st.st_mode & 0o022:
+            return None, f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        why = _damage(b"".join(chunks))
+        if why is not None:
+            return None, f"{path} {why}"
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None, f"{path} was replaced while it was checked"
+            lib = ctypes.CDLL(str(path))
+            now = os.stat(path, follow_symlinks=False)
+        except OSError as e:
+            return None, f"cannot load the compiled kernels {path}: {e}"
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None, f"{path} was replaced while it was loaded"
+        return lib, None
+    finally:
+        os.close(fd)
+
+
+def _entry_points(lib: ctypes.CDLL, path: Path, cc: str) -> tuple[Optional[dict], Optional[str]]:
+    """The kernels by dtype, or why ``lib`` lacks them (every symbol is looked up before use)."""
+    if not hasattr(lib, "bd_abi_version"):
+        return None, (f"{path} does not export bd_abi_version (built by {cc}: not compiled as C, "
+                      f"or not blockdiag's kernels)")
+    lib.bd_abi_version.restype, lib.bd_abi_version.argtypes = _INT, []
+    abi = lib.bd_abi_version()
+    if abi != _ABI:
+        return None, f"{path} has kernel ABI {abi}, this blockdiag needs {_ABI}"
+    found = {}
+    for dtype, sfx in _SUFFIX.items():
+        fns = []
+        for base, (restype, argtypes, _) in _SIGNATURES.items():
+            if not hasattr(lib, f"{base}_{sfx}"):
+                return None, f"{path} does not export {base}_{sfx} (built by {cc})"
+            fn = getattr(lib, f"{base}_{sfx}")
+            fn.restype, fn.argtypes = restype, argtypes
+            fns.append(fn)
+        found[dtype] = tuple(fns)
+    return found, None
+
+
+def _load_or_build(cc: str, source_dir: Path, path: Path) -> tuple[Optional[dict], Optional[str], bool]:
+    """The kernels from ``path``, built there first if missing or damaged: ``(kernels, why not, final)``.
+
+    ``final``: the failure is the compiler's or the library's, which another folder would not change.
+    """
+    stale = None
+    if os.path.lexists(path):
+        lib, stale = _load(path)
+        if lib is not None:
+            found, why = _entry_points(lib, path, cc)
+            return found, why, True
+    try:
+        why = _build(cc, source_dir, path)
+    except OSError as e:
+        return None, f"cannot write the compiled kernels to {path.parent}: {e}", False
+    if why is not None:
+        return None, why if stale is None else f"{stale}; rebuilding it: {why}", True
+    lib, why = _load(path)
+    if lib is None:
+        return None, f"the library just built is unusable: {why}", True
+    found, why = _entry_points(lib, path, cc)
+    return found, why, True
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,81 +377,214 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     for name in _SOURCES:
         digest.update((source_dir / name).read_bytes())
     name = f"simd-{digest.hexdigest()[:20]}.so"
-    path = None
-    for folder in (kernel_dir(), Path(tempfile.gettempdir()) / f"blockdiag-kernels-{os.getuid()}"):
-        candidate = folder / name
-        if candidate.exists():
-            path = candidate
-            break
-        try:
-            why = _build(cc, source_dir, candidate)
-        except OSError:
-            continue  # not writable: try the next folder
-        if why is not None:
-            return None, why
-        path = candidate
-        break
-    if path is None:
-        return None, f"no writable folder for the compiled kernels ({kernel_dir()} or the temporary directory)"
+    # The cache folder, private to this user; failing that, a new private temporary folder for
+    # this process (never a predictable name in a shared folder, where another user could
+    # plant a library first).
+    folder = kernel_dir()
+    why = _cache_folder(folder)
+    if why is None:
+        found, why, final = _load_or_build(cc, source_dir, folder / name)
+        if found is not None or final:
+            return found, why
     try:
-        lib = ctypes.CDLL(str(path))
+        temp = _private_temp_folder()
     except OSError as e:
-        return None, f"cannot load the compiled kernels {path}: {e}"
-    if lib.bd_abi_version() != _ABI:
-        return None, f"{path} has kernel ABI {lib.bd_abi_version()}, this blockdiag needs {_ABI}"
-    found = {}
-    for dtype, sfx in _SUFFIX.items():
-        fns = []
-        for base, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, f"{base}_{sfx}")
-            fn.restype, fn.argtypes = restype, argtypes
-            fns.append(fn)
-        found[dtype] = tuple(fns)
-    return found, None
+        return None, (f"no usable folder for the compiled kernels: {why}; "
+                      f"no private temporary folder either: {e}")
+    found, why2, _ = _load_or_build(cc, source_dir, temp / name)
+    return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
+
+
+def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` if the kernels may take its pointer (negative and conjugate bits resolved), else BlockDiagError.
+
+    A plain strided CPU tensor (no subclass, FakeTensor or meta tensor) of ``dtype`` whose
+    storage is allocated and holds every element of the view.
+    """
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout is not torch.strided:
+        raise BlockDiagError(
+            f"simd: {arg} must be a plain strided CPU tensor for the compiled kernels, got "
+            f"{type(t).__name__} on {t.device} with layout {t.layout}"
+        )
+    if t.dtype is not dtype:
+        raise BlockDiagError(f"simd: {arg} must be {dtype} like the input, got {t.dtype}")
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()  # the kernels read memory: apply the lazy negation
+    _stored("simd", arg, t)
+    return t
+
+
+def _stored(backend: str, arg: str, t: torch.Tensor) -> None:
+    """Raise BlockDiagError unless ``t``'s storage is allocated and holds every element of the view."""
+    n = t.numel()
+    if not n:
+        return
+    if t.is_contiguous():
+        end = t.storage_offset() + n
+    else:
+        end = t.storage_offset() + 1 + sum([(a - 1) * b for a, b in zip(t.shape, t.stride())])
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError) as e:  # a batched or functional wrapper (legacy vmap, ...)
+        raise BlockDiagError(f"{backend}: {arg} has no storage of its own ({e}): a wrapper tensor cannot be "
+                             f"handed to the kernels") from None
+    if storage.nbytes() < end * t.element_size() or not storage.data_ptr():
+        raise BlockDiagError(
+            f"{backend}: {arg} has no storage for its elements (shape {tuple(t.shape)}, "
+            f"strides {t.stride()}, offset {t.storage_offset()}, {storage.nbytes()} bytes of storage)"
+        )
 
 
 def _cols(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-d) with unit column stride; any row stride is read in place."""
-    return t if t.size(1) <= 1 or t.stride(1) == 1 else t.contiguous()
+    """``t`` (2-d) with unit column stride and a row stride of 0 or at least its width, bits resolved.
+
+    Any other row stride is read in place (column slices of wider tensors); a row stride of 0
+    (one row broadcast) too. Rows that partly overlap (0 < stride < width) are copied: the
+    kernels refuse them.
+    """
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    if t.dim() != 2:
+        return t
+    rows, width = t.shape
+    if (width > 1 and t.stride(1) != 1) or (rows > 1 and 0 < t.stride(0) < width):
+        return t.contiguous()
+    return t
+
+
+def _ld(t: torch.Tensor) -> int:
+    """The leading dimension of a 2-d ``t`` from :func:`_cols` (a single row's: its width)."""
+    return t.stride(0) if t.size(0) > 1 else max(t.size(1), 1)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _shape_error(what: str, **shapes) -> BlockDiagError:
+    told = ", ".join(f"{k} {tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)}"
+                     for k, v in shapes.items())
+    return BlockDiagError(f"simd: the {what} kernel got inconsistent shapes: {told}")
+
+
+def _run(what: str, base: str, fn, *args) -> None:
+    """Call kernel ``fn`` (``base``: its C name); a non-zero return code raises."""
+    code = fn(*args)
+    if code == 0:
+        return
+    names = _SIGNATURES[base][2]
+    if code == -1:
+        raise MemoryError(f"simd: no memory for the {what} kernel's packed weight "
+                          f"(rows={args[names.index('rows')]}, G={args[names.index('G')]}, "
+                          f"I={args[names.index('I')]}, O={args[names.index('O')]})")
+    kind, k = divmod(-code, 100) if code < 0 else (0, 0)
+    shown = ", ".join(f"{n}={v}" for n, v, t in zip(names, args, _SIGNATURES[base][1]) if t is not _P)
+    if kind in _REFUSED and 1 <= k <= len(names):
+        value = args[k - 1]
+        value = "NULL" if value is None else (hex(value) if _SIGNATURES[base][1][k - 1] is _P else value)
+        raise BlockDiagError(f"simd: the compiled {what} kernel refused {names[k - 1]}={value}: "
+                             f"{_REFUSED[kind]} ({shown})")
+    raise BlockDiagError(f"simd: the compiled {what} kernel returned the unknown code {code} ({shown})")
+
+
+def _dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in _SUFFIX:
+        raise BlockDiagError(f"simd: the kernels run float32 and float64, got {dtype}")
+    return dtype
+
+
+def _kernel(dtype: torch.dtype, which: int):
+    """Kernel ``which`` (0 forward, 1 input gradient, 2 weight gradient) of ``dtype``, or BlockDiagError."""
+    found, why = _library()
+    if found is None:
+        raise BlockDiagError(f"simd: {why}")
+    return found[dtype][which]
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if x.dim() != 2 or weight.dim() != 3:
+        raise _shape_error("forward", input=x, weight=weight)
     g, o, i = weight.shape
     n = x.shape[0]
-    x = _cols(x)
-    weight = weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
+    dtype = _dtype(x.dtype)
+    x = _cols(_operand("input", x, dtype))
+    weight = _operand("weight", weight, dtype).contiguous()
+    if bias is not None:
+        bias = _operand("bias", bias, dtype).contiguous()
+    if x.shape[1] != g * i or (bias is not None and tuple(bias.shape) != (g * o,)):
+        raise _shape_error("forward", input=x, weight=weight, **({} if bias is None else {"bias": bias}))
     y = x.new_empty(n, g * o)
-    fn = _library()[0][x.dtype][0]
-    if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias), y.data_ptr(), y.stride(0), n, g, i, o,
-          torch.get_num_threads()) != 0:
-        raise MemoryError(f"simd: no memory for the packed weight of shape {list(weight.shape)}")
+    _run("forward", "bd_forward", _kernel(dtype, 0), x.data_ptr(), _ld(x), weight.data_ptr(), _ptr(bias),
+         y.data_ptr(), _ld(y), n, g, i, o, torch.get_num_threads())
     return y
 
 
 def _grad_input(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if gy.dim() != 2 or weight.dim() != 3:
+        raise _shape_error("input gradient", grad=gy, weight=weight)
     g, o, i = weight.shape
     n = gy.shape[0]
+    dtype = _dtype(gy.dtype)
+    gy = _cols(_operand("grad", gy, dtype))
+    weight = _operand("weight", weight, dtype).contiguous()
+    if gy.shape[1] != g * o:
+        raise _shape_error("input gradient", grad=gy, weight=weight)
     gx = gy.new_empty(n, g * i)
-    fn = _library()[0][gy.dtype][1]
-    if fn(gy.data_ptr(), gy.stride(0), weight.data_ptr(), gx.data_ptr(), gx.stride(0), n, g, i, o,
-          torch.get_num_threads()) != 0:
-        raise MemoryError(f"simd: no memory for the packed weight of shape {list(weight.shape)}")
+    _run("input gradient", "bd_grad_input", _kernel(dtype, 1), gy.data_ptr(), _ld(gy), weight.data_ptr(),
+         gx.data_ptr(), _ld(gx), n, g, i, o, torch.get_num_threads())
     return gx
 
 
 def _grad_weight(gy: torch.Tensor, x: torch.Tensor, shape, with_bias: bool):
-    g, o, i = shape
+    g, o, i = (int(s) for s in shape)
+    dtype = _dtype(gy.dtype)
+    gy = _cols(_operand("grad", gy, dtype))
+    x = _cols(_operand("input", x, dtype))
+    if (gy.dim() != 2 or x.dim() != 2 or gy.shape[0] != x.shape[0]
+            or gy.shape[1] != g * o or x.shape[1] != g * i):
+        raise _shape_error("weight gradient", grad=gy, input=x, weight=(g, o, i))
     gw = gy.new_empty(g, o, i)
     gb = gy.new_empty(g * o) if with_bias else None
-    fn = _library()[0][gy.dtype][2]
-    fn(gy.data_ptr(), gy.stride(0), x.data_ptr(), x.stride(0), gw.data_ptr(), _ptr(gb), gy.shape[0], g, i, o,
-       torch.get_num_threads())
+    _run("weight gradient", "bd_grad_weight", _kernel(dtype, 2), gy.data_ptr(), _ld(gy), x.data_ptr(), _ld(x),
+         gw.data_ptr(), _ptr(gb), gy.shape[0], g, i, o, torch.get_num_threads())
     return gw, gb
+
+
+@contextlib.contextmanager
+def _isolated():
+    """Plain eager CPU torch, whatever the caller's context: for the kernels' self-checks.
+
+    Torch function modes (``torch.set_default_device``'s among them) and subclasses, dispatch
+    modes (FakeTensorMode, FlopCounterMode, tracing), ``torch.func`` transforms, inference
+    mode, autograd recording and autocast (CPU and CUDA) are all off inside, so a check runs
+    the same products, in the same dtypes, wherever it is first called.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._C.DisableTorchFunction())
+        stack.enter_context(_disable_current_modes())
+        stack.enter_context(torch._C._DisableFuncTorch())
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Optional[str]:
+    """Where ``got`` differs from the float64 ``want`` beyond the tolerance (the largest gap), or None."""
+    got = got.double()
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} where {tuple(want.shape)} was expected"
+    bad = ~((got - want).abs() <= atol + rtol * want.abs())  # NaN counts as bad
+    if not bool(bad.any()):
+        return None
+    err = torch.where(bad, (got - want).abs().nan_to_num(float("inf")), torch.zeros_like(want))
+    at = tuple(int(v) for v in torch.unravel_index(err.argmax(), err.shape))
+    return (f"{int(bad.sum())} of {want.numel()} elements differ, the largest at {list(at)}: "
+            f"got {got[at].item():.9g}, expected {want[at].item():.9g} (rtol {rtol:g}, atol {atol:g})")
 
 
 def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -253,35 +625,70 @@ def _probe() -> Optional[str]:
 
 
 def self_check(dtype: torch.dtype) -> Optional[str]:
-    """Why the kernels cannot be used for ``dtype`` here (unavailable or failed check), or None."""
-    return _library()[1] or _check()
+    """Why the kernels cannot be used for ``dtype`` here (unavailable, or a failed check), or None.
+
+    Never raises; safe in any context (see :func:`_isolated`). The verdict is cached per dtype.
+    """
+    try:
+        why = _library()[1]
+        if why is not None:
+            return why
+        if dtype not in _SUFFIX:
+            return f"the kernels run float32 and float64, not {dtype}"
+        return _check(dtype)
+    except Exception as e:  # noqa: BLE001  (a verdict, never an exception: not cached)
+        return f"the self-check of the {dtype} kernels could not run: {type(e).__name__}: {e}"
 
 
-@functools.lru_cache(maxsize=None)
-def _check() -> Optional[str]:
-    """Run small products through every kernel and compare with torch: why they differ, or None."""
-    # Shapes with partial vectors, several column chunks and row tiles, and leading
-    # dimensions larger than the widths (column slices), in both dtypes.
-    gen = torch.Generator().manual_seed(0)
-    for dtype in _SUFFIX:
-        for n, g, i, o in ((13, 3, 5, 7), (9, 2, 70, 19), (40, 2, 3, 33)):
-            wide = torch.randn(n, g * i + 3, generator=gen, dtype=dtype)
-            x = wide[:, 1 : 1 + g * i]
-            w = torch.randn(g, o, i, generator=gen, dtype=dtype)
-            b = torch.randn(g * o, generator=gen, dtype=dtype)
-            gy = torch.randn(n, g * o, generator=gen, dtype=dtype)
-            xs = x.reshape(n, g, i).transpose(0, 1)
-            want_y = torch.bmm(xs, w.transpose(1, 2)).transpose(0, 1).reshape(n, g * o) + b
-            gys = gy.reshape(n, g, o).transpose(0, 1)
-            want_gx = torch.bmm(gys, w).transpose(0, 1).reshape(n, g * i)
-            want_gw = torch.bmm(gys.transpose(1, 2), xs)
-            gw, gb = _grad_weight(gy, x, w.shape, True)
-            tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
-            for what, got, want in (("forward", _forward(x, w, b), want_y), ("input gradient", _grad_input(gy, w), want_gx),
-                                    ("weight gradient", gw, want_gw), ("bias gradient", gb, gy.sum(0))):
-                if not torch.allclose(got, want, **tol):
-                    return (f"the compiled {what} kernel did not match torch on a "
-                            f"{str(dtype).replace('torch.', '')} check product of shape (N={n}, G={g}, {i}x{o})")
+_CHECKED: dict = {}
+
+
+def _check(dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Run small products through every kernel of ``dtype`` (None: every dtype) and compare with torch.
+
+    Why they differ, or None; cached per dtype (``_check.cache_clear()`` forgets).
+    """
+    if dtype is None:
+        for d in _SUFFIX:
+            why = _check(d)
+            if why is not None:
+                return why
+        return None
+    if dtype not in _CHECKED:
+        with _isolated():
+            _CHECKED[dtype] = _run_check(dtype)
+    return _CHECKED[dtype]
+
+
+_check.cache_clear = _CHECKED.clear
+
+
+def _run_check(dtype: torch.dtype) -> Optional[str]:
+    # Shapes with partial vectors, several column chunks and row tiles, and leading dimensions
+    # larger than the widths (column slices). Operands are rounded to ``dtype``, the reference
+    # is computed from them in float64.
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    for n, g, i, o in ((13, 3, 5, 7), (9, 2, 70, 19), (40, 2, 3, 33)):
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(dtype)
+
+        wide = rand(n, g * i + 3)
+        x, w, b, gy = wide[:, 1 : 1 + g * i], rand(g, o, i), rand(g * o), rand(n, g * o)
+        xs = x.double().reshape(n, g, i).transpose(0, 1)
+        gys = gy.double().reshape(n, g, o).transpose(0, 1)
+        want_y = torch.bmm(xs, w.double().transpose(1, 2)).transpose(0, 1).reshape(n, g * o) + b.double()
+        want_gx = torch.bmm(gys, w.double()).transpose(0, 1).reshape(n, g * i)
+        want_gw = torch.bmm(gys.transpose(1, 2), xs)
+        gw, gb = _grad_weight(gy, x, w.shape, True)
+        for what, got, want in (("forward", _forward(x, w, b), want_y),
+                                ("input gradient", _grad_input(gy, w), want_gx),
+                                ("weight gradient", gw, want_gw), ("bias gradient", gb, gy.double().sum(0))):
+            why = _mismatch(got, want, **tol)
+            if why is not None:
+                return (f"the compiled {what} kernel did not match torch on a "
+                        f"{str(dtype).replace('torch.', '')} check product of shape "
+                        f"(N={n}, G={g}, {i}x{o}): {why}")
     return None
 
 

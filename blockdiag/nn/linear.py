@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from .._checks import check, check_groups, check_same_device_dtype
+from .._errors import BlockDiagError
 from ..backends import Problem, get
 from .. import profile as _profile
 from .. import settings as _settings
 from ..backends._registry import _REGISTRY
 from ..dispatch import Plan, plan_for
 from ..ops import OpEntry, plain_eager
+from ..ops import _sharding
 from ..ops.auto import auto as _auto_op
 
 __all__ = ["GroupedLinear", "grouped_linear"]
@@ -109,15 +111,15 @@ def grouped_linear(
     return _run_op("grouped_linear", backend, x, weight, bias)
 
 
-# The per-call fast path. Everything the plan depends on is in the key: the shapes, dtypes
-# and devices of all three operands (so validity, too, is a function of the key: only
-# inputs that passed the checks are ever stored), whether autograd records, and for
-# ``auto`` the settings token (config frames, set_config, environment). What the key cannot
-# hold cheaply is checked on the entry instead: the registry's size, the profile cache's
-# generation (bumped when this process writes or forgets a profile), and an expiry after
-# which the profile file on disk is looked at again (``profile.RECHECK_S``). A hit skips the
-# checks, building the Problem and the chooser's own cache lookup, which together cost as
-# much as a small product.
+# The per-call fast path, in front of the one plan cache (``dispatch.cached_plan``, keyed by
+# backend, Problem and epoch). Everything the choice depends on is in the key: the shapes,
+# dtypes and devices of all three operands (so validity, too, is a function of the key: only
+# inputs that passed the checks are ever stored), whether autograd records, and the epoch
+# (``blockdiag.dispatch.epoch``: for ``auto`` all of it, read on every call; for a named
+# backend only its ``generation``, which a registry change moves). An entry is never
+# checked, only looked up: whatever could make it stale moves the epoch. A hit skips the
+# checks, building the Problem and the plan cache's lookup, which together cost as much as a
+# small product.
 _SELECTED: dict = {}
 
 
@@ -134,27 +136,22 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
         raise
     auto = backend == "auto"
+    ep = _settings.epoch() if auto else _settings.generation
     # One flat tuple: each nested one would be built and hashed again on every call. Two
     # literals, not one plus ``key += (bias...)``: the concatenation costs 60-100 ns a call.
     if bias is None:
-        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad,
-               _settings.token() if auto else None)
+        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad, ep)
     else:
-        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad,
-               _settings.token() if auto else None, bias.shape, bias.dtype, bias.device)
-    hit = _SELECTED.get(key)
-    if hit is not None:
-        if not auto:
-            return hit
-        now = time.monotonic()
-        if now < hit[1] and hit[2] == _profile.generation and hit[3] == len(_REGISTRY):
-            return hit[0]
+        key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad, ep,
+               bias.shape, bias.dtype, bias.device)
+    name = _SELECTED.get(key)
+    if name is not None:
+        return name
     name = plan_for(backend, _problem(fn, x, weight, bias), fn).backend
-    if len(_SELECTED) > 4096:
-        _SELECTED.clear()
-    if auto:
-        _SELECTED[key] = (name, time.monotonic() + _profile.RECHECK_S, _profile.generation, len(_REGISTRY))
-    else:
+    # Kept only if the epoch did not move while planning (the plan may be of the new one).
+    if ep == (_settings.epoch() if auto else _settings.generation):
+        if len(_SELECTED) > 4096:
+            _SELECTED.clear()
         _SELECTED[key] = name
     return name
 
@@ -179,6 +176,9 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     """
     for arg, t in (("input", x), ("weight", weight), ("bias", bias)):
         check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if not _sharding._done and not torch.compiler.is_compiling():
+        # Registers DTensor's rules once DTensor is loaded; never traced (it takes a lock).
+        _sharding.ensure()
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
@@ -194,7 +194,10 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(lead.numel(), g * i)
     if backend == "auto":
-        y = _auto_op(x2, weight, bias, _records_grad(x, weight, bias))
+        # jit.trace records Python values as constants, and its check run repeats the call
+        # under no_grad: a traced auto is planned for inference, whatever grad mode traced it.
+        train = _records_grad(x, weight, bias) and torch._C._get_tracing_state() is None
+        y = _auto_op(x2, weight, bias, train)
     else:
         entry = get(backend, fn).fn
         y = entry.call_op(x2, weight, bias) if isinstance(entry, OpEntry) else entry(x2, weight, bias)
@@ -309,6 +312,14 @@ class GroupedLinear(nn.Module):
             return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
         return _run_op(type(self).__name__, self._backend, x, w, b)
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: refuse with the reason instead of a TorchScript
+        # parse error deep inside the library.
+        raise BlockDiagError(
+            f"{type(self).__name__}: torch.jit.script cannot compile blockdiag's layers (they choose "
+            "and dispatch their kernels in Python); use torch.compile, torch.export or torch.jit.trace"
+        )
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -358,6 +369,8 @@ class GroupedLinear(nn.Module):
             if lin.bias is not None:
                 # A bias in another dtype would be cast silently by the copy below: not lossless.
                 check_same_device_dtype(fn, **{"linears[0].weight": first.weight, f"linears[{k}].bias": lin.bias})
+        for k, lin in enumerate(linears):
+            _sharding.refuse_sharded(fn, lin, f"linears[{k}].")
         g = len(linears)
         o, i = first.weight.shape
         layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,
@@ -379,6 +392,7 @@ class GroupedLinear(nn.Module):
             layer's device and dtype; ``torch.cat([l(x_g) ...], -1)`` over the input's
             slices equals this layer's output.
         """
+        _sharding.refuse_sharded("GroupedLinear.to_linears", self)
         out = nn.ModuleList()
         for g in range(self.groups):
             lin = nn.Linear(self.block_in, self.block_out, bias=self.bias is not None,

@@ -3,29 +3,56 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
+from .. import settings as _settings
 from .._checks import check
 from ..backends import get
+from ..dispatch import Plan
+from ..ops._sharding import refuse_sharded
 from .linear import GroupedLinear
 
-__all__ = ["GroupedMLP"]
+__all__ = ["GroupedMLP", "MLPPlan", "STRATEGIES"]
 
 # The torch.nn modules that act on each entry alone, with no state: the only ones GroupedMLP
 # can apply to its hidden units, which it holds as [heads, hidden, batch] (feature-major) or
 # [batch, heads * hidden]. A row-wise module (Softmax, LayerNorm) would mix the heads or run
 # over the batch, and a module with parameters (PReLU) would share one head's parameters
 # across all heads. Modules defined outside torch.nn are accepted when they hold no
-# parameters or buffers; that they act element-wise is the caller's promise.
+# parameters or buffers and derive from no other torch.nn module; that they act
+# element-wise is the caller's promise.
 ELEMENTWISE_ACTIVATIONS = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
     nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Hardshrink,
     nn.Softshrink, nn.Tanhshrink, nn.Softplus, nn.Softsign, nn.LogSigmoid, nn.Threshold,
     nn.Identity, nn.Dropout, nn.AlphaDropout,
 )
+
+
+def _is_torch_nn(cls: type) -> bool:
+    mod = getattr(cls, "__module__", "") or ""
+    return mod == "torch.nn" or mod.startswith(("torch.nn.", "torch.ao.nn."))
+
+
+def _not_elementwise_base(act: object) -> Optional[type]:
+    """The torch.nn class in ``type(act)``'s MRO that is not element-wise, or None.
+
+    Every torch.nn class an activation derives from, except ``nn.Module`` itself, must be one
+    of ``ELEMENTWISE_ACTIVATIONS`` or a base class of one (``Hardtanh`` for ``ReLU6``,
+    ``_DropoutNd`` for ``Dropout``): a subclass of ``nn.Softmax`` defined elsewhere is
+    still a softmax. The class's own module name is not enough to decide.
+    """
+    for cls in type(act).__mro__:
+        if cls is nn.Module or not _is_torch_nn(cls):
+            continue
+        if not any(issubclass(e, cls) for e in ELEMENTWISE_ACTIVATIONS):
+            return cls
+    return None
 
 
 def _check_activation(fn: str, act: object, where: str) -> None:
@@ -37,13 +64,91 @@ def _check_activation(fn: str, act: object, where: str) -> None:
         f"{where} is {act!r}, which holds parameters or buffers ({', '.join(state)}); one "
         "activation module serves every head, so only stateless element-wise activations can be grouped",
     )
+    bad = _not_elementwise_base(act)
+    derives = "" if bad is None or bad is type(act) else f" (it derives from torch.nn.{bad.__name__})"
     check(
         fn,
-        isinstance(act, ELEMENTWISE_ACTIVATIONS) or not type(act).__module__.startswith("torch.nn"),
-        f"{where} is {act!r}, which is not element-wise; GroupedMLP applies activations to "
+        bad is None,
+        f"{where} is {act!r}, which is not element-wise{derives}; GroupedMLP applies activations to "
         f"every head's hidden units at once, so only these torch.nn modules can be used: "
         f"{', '.join(c.__name__ for c in ELEMENTWISE_ACTIVATIONS)} (or a stateless element-wise module of your own)",
     )
+
+
+# How GroupedMLP runs its layers (see the class docstring): "layers" calls each layer
+# (``GroupedLinear.__call__``, so hooks, parametrizations, pruning and FSDP2 see every call,
+# and each layer's backend is planned by the chooser); "fm_chain" is the fused feature-major
+# chain of addmm/baddbmm on the layers' parameters; "auto" takes the chain only where
+# nothing observes or rewrites the layers and the measured table says it is faster.
+STRATEGIES = ("auto", "layers", "fm_chain")
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+# One C call for "is autocast on anywhere?" (private API, hence optional).
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_on() -> bool:
+    if _ANY_AUTOCAST is not None:
+        return _ANY_AUTOCAST()
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if torch.amp.is_autocast_available(d))
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+@dataclass(frozen=True)
+class MLPPlan:
+    """What :class:`GroupedMLP` runs for an input, and why (``str(plan)`` is a report).
+
+    Attributes:
+        strategy: what runs: ``"fm_chain"`` or ``"layers"``.
+        requested: the model's ``strategy`` setting (``"auto"``, ``"layers"`` or ``"fm_chain"``).
+        reason: one sentence on why.
+        chain_us: the measured table's estimate of the chain in microseconds: the sum over
+            layers of ``bmm_fm``'s time at each layer's problem; None where not estimated.
+        layers_us: the estimate of the per-layer path: the sum of each layer's chosen
+            backend's time; None where not estimated.
+        layers: each layer's :class:`~blockdiag.dispatch.Plan` for its input (what runs on
+            the ``"layers"`` path).
+    """
+
+    strategy: str
+    requested: str
+    reason: str
+    chain_us: Optional[float] = None
+    layers_us: Optional[float] = None
+    layers: tuple[Plan, ...] = ()
+
+    def __str__(self) -> str:
+        def us(t: Optional[float]) -> str:
+            return "-" if t is None else f"{t:.1f} us"
+
+        lines = [
+            f"GroupedMLP plan (strategy={self.requested!r})",
+            f"  runs:    {self.strategy}",
+            f"  reason:  {self.reason}",
+            f"  estimates from the measured table: fm_chain {us(self.chain_us)}, layers {us(self.layers_us)}",
+        ]
+        used = "" if self.strategy == "layers" else " (not used: the chain runs instead)"
+        for k, plan in enumerate(self.layers):
+            lines.append(f"layers[{k}]{used}:")
+            lines += ["  " + line for line in str(plan).splitlines()]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
+        p.text(str(self))
+
+
+# What the chain saves over the same products run layer by layer (one transposing copy and
+# one module call per layer) is in no measured table: each table time is one whole layer
+# call. The chain is therefore credited this factor over the sum of ``bmm_fm``'s table
+# times. Measured on CPU (2-core VMs, interleaved medians), the chain ran 1.01-1.28x faster
+# than the same multiplies through the layers (about 1.15x at batch 64 forward, 1.19x in
+# training, 1.01x at batch 1024); 1.1 takes the chain where it wins by that margin and
+# leaves near-ties to the layers. ``strategy=`` forces either.
+CHAIN_ADVANTAGE = 1.1
 
 
 class GroupedMLP(nn.Module):
@@ -59,11 +164,38 @@ class GroupedMLP(nn.Module):
     ``shared_input=False``, ``x`` has ``heads * in_features`` columns and head ``h`` reads
     slice ``h``. The output is ``[..., heads * out_features]``, head ``h``'s outputs contiguous.
 
-    With ``backend="auto"`` (or ``"bmm"``) the hidden activations stay feature-major,
-    ``[heads, hidden, batch]``, between layers: each layer is one ``baddbmm`` with the bias
-    fused and no transpose or copy between layers; only the final output is transposed
-    once into ``[batch, heads * out]``. Any other backend name runs each layer as a
-    :class:`GroupedLinear` with that backend.
+    How the layers run is ``strategy``; what multiplies inside each layer is ``backend``
+    (every layer's :class:`GroupedLinear` backend, ``"auto"`` by default):
+
+    - ``"layers"``: each layer is called as a module (``layer(h)``, its ``__call__``), so
+      forward and backward hooks on ``model.layers[k]`` fire, ``torch.nn.utils.prune``,
+      parametrizations, old-style ``weight_norm`` and per-layer FSDP2 ``fully_shard`` work,
+      and each layer's backend is planned by the chooser (:meth:`GroupedLinear.plan`).
+    - ``"fm_chain"``: the fused feature-major chain. The hidden units stay
+      ``[heads, hidden, batch]`` between layers: the first layer is one ``addmm`` (shared
+      input) or ``baddbmm``, each later one a ``baddbmm`` with the bias fused, and only the
+      final output is transposed once into ``[batch, heads * out]``. It reads the layers'
+      parameters directly and never calls the layers, so it refuses (``BlockDiagError``) a
+      model whose layers have hooks or parametrizations (pruning, ``weight_norm``), whose
+      activations have hooks (they would see the feature-major layout), whose parameters
+      are not plain tensors (DTensor, FSDP2) or whose dtype or device differ from ``x``'s.
+    - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
+      ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
+      honoured), nothing above would refuse the chain, no global module hook is registered,
+      no ``torch.func`` transform, autocast or ``torch.compile`` trace is active (a compiled
+      model runs the layers, whose ``blockdiag`` ops plan per call, so one graph serves every
+      batch size) and the batch is not empty. Faster: the measured table (the one
+      :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
+      ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
+      chosen backend's time; the chain runs when its estimate is at most
+      ``CHAIN_ADVANTAGE`` times the layers': what the chain saves (a transposing copy and a
+      layer call per layer) is in no table, and that factor credits it (see its comment).
+      Without a table entry for either, the layers run. The decision is cached per input shape, dtype, device, grad mode and the chooser's epoch (settings,
+      profile, registry, thread count: see :mod:`blockdiag.dispatch`), like
+      ``GroupedLinear``'s; whether the chain is allowed is checked on every call (a few
+      dict reads: a hook can be added at any time).
+
+    :meth:`plan` says which strategy runs for an input and why, with each layer's plan.
 
     >>> mlp = GroupedMLP(150, [10, 10], 1, heads=50)
     >>> mlp(torch.randn(32, 150)).shape
@@ -80,13 +212,14 @@ class GroupedMLP(nn.Module):
             torch.nn ones accepted).
         bias: learn biases.
         shared_input: see above.
-        backend: ``"auto"`` or a registered backend name (settable later).
+        backend: ``"auto"`` or a registered backend name for every layer (settable later).
+        strategy: ``"auto"``, ``"layers"`` or ``"fm_chain"`` (settable later), see above.
         device: factory kwarg, as for ``nn.Linear``.
         dtype: factory kwarg, as for ``nn.Linear``.
 
     Raises:
-        BlockDiagError: non-positive sizes, an unknown backend, or an activation that is not
-            stateless and element-wise.
+        BlockDiagError: non-positive sizes, an unknown backend or strategy, or an activation
+            that is not stateless and element-wise.
     """
 
     def __init__(
@@ -100,6 +233,7 @@ class GroupedMLP(nn.Module):
         bias: bool = True,
         shared_input: bool = True,
         backend: str = "auto",
+        strategy: str = "auto",
         device=None,
         dtype=None,
     ):
@@ -129,6 +263,19 @@ class GroupedMLP(nn.Module):
             _check_activation(fn, act, f"activation() after hidden layer {k}")
         self.activations = nn.ModuleList(acts)
         self.backend = backend
+        self.strategy = strategy
+        self._decisions: dict = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_decisions"] = {}  # a cache: rebuilt where the model is loaded
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # Pickles from before ``strategy`` existed ran the chain under "auto"/"bmm".
+        self.__dict__.setdefault("_strategy", "auto")
+        self.__dict__.setdefault("_decisions", {})
 
     @property
     def backend(self) -> str:
@@ -143,69 +290,279 @@ class GroupedMLP(nn.Module):
         for layer in self.layers:
             layer.backend = name
 
+    @property
+    def strategy(self) -> str:
+        """``"auto"``, ``"layers"`` or ``"fm_chain"``: how the layers run (see the class docstring)."""
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, name: str) -> None:
+        check(
+            f"{type(self).__name__}.strategy",
+            isinstance(name, str) and name in STRATEGIES,
+            f"unknown strategy {name!r}; valid strategies are {', '.join(map(repr, STRATEGIES))}",
+        )
+        self._strategy = name
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in] -> [..., heads * out]`` (``[..., heads * in]`` without ``shared_input``).
 
         Raises:
-            BlockDiagError: an input whose last dimension, dtype or device does not fit.
+            BlockDiagError: an input whose last dimension, dtype or device does not fit, or
+                ``strategy="fm_chain"`` on a model the chain cannot run (see the class docstring).
         """
-        n_in = self.in_features * (1 if self.shared_input else self.heads)
-        check(
-            type(self).__name__,
-            x.dim() >= 1 and x.shape[-1] == n_in,
-            f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}"
-            + ("" if self.shared_input else f" (heads={self.heads} x in_features={self.in_features})"),
-        )
-        w = self.layers[0].weight
-        # The feature-major path has no checks of its own: an empty batch, or an input whose
-        # dtype or device differs from the parameters' (autocast's mixed inputs included),
-        # takes the per-layer path, where GroupedLinear handles it or says what is wrong.
-        if (
-            self._backend in ("auto", "bmm")
-            and x.dtype == w.dtype
-            and x.device == w.device
-            and x.numel() > 0
-        ):
+        n_in = self.in_features if self.shared_input else self.in_features * self.heads
+        if x.dim() < 1 or x.shape[-1] != n_in:  # the message only when it is needed: this runs per call
+            check(
+                type(self).__name__,
+                False,
+                f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}"
+                + ("" if self.shared_input else f" (heads={self.heads} x in_features={self.in_features})"),
+            )
+        strategy = self._strategy
+        if strategy == "auto":
+            if self._auto_runs_chain(x):
+                return self._forward_feature_major(x)
+        elif strategy == "fm_chain":
+            why = self._chain_refusal(x)
+            check(type(self).__name__, why is None, f"strategy='fm_chain' cannot run: {why}; use strategy='layers' or 'auto'")
             return self._forward_feature_major(x)
-        for k, layer in enumerate(self.layers):
+        acts = tuple(self._modules["activations"]._modules.values())
+        n_act = len(acts)
+        for k, layer in enumerate(self._modules["layers"]._modules.values()):
             x = layer(x)
-            if k < len(self.activations):
-                x = self.activations[k](x)
+            if k < n_act:
+                x = acts[k](x)
         return x
 
+    # ------------------------------------------------------------ choosing the strategy
+
+    def _chain_refusal(self, x: torch.Tensor) -> Optional[str]:
+        """Why the chain would skip or break something here (None: it runs as the layers would).
+
+        Checked on every call: hooks and parametrizations can be added at any time.
+        """
+        mm = _nn_module
+        if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
+            return "a global module hook is registered (torch.nn.modules.module.register_module_*_hook), and the chain calls no layer"
+        # Dtypes are compared for every parameter, the device for the first weight only: a
+        # parameter elsewhere on another device fails on either path, and each comparison
+        # of devices costs a device object.
+        dt = x.dtype
+        for k, layer in enumerate(self._modules["layers"]._modules.values()):
+            if _hooked(layer):
+                return (
+                    f"layers[{k}] has forward or backward hooks (torch.nn.utils.prune and the old "
+                    "weight_norm use them too), and the chain never calls the layer"
+                )
+            params = layer._parameters
+            if "parametrizations" in layer._modules:
+                return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and the chain reads the raw parameters"
+            w = params.get("weight")
+            if w is None or type(w) not in _PLAIN:
+                return f"layers[{k}].weight is not a plain tensor parameter (a DTensor, another subclass, or rewritten)"
+            if w.dtype != dt or (k == 0 and w.device != x.device):
+                return f"layers[{k}].weight is {w.dtype} on {w.device} but the input is {dt} on {x.device}"
+            if "bias" not in params:
+                return f"layers[{k}].bias is not a registered parameter (rewritten)"
+            b = params["bias"]
+            if b is not None and (type(b) not in _PLAIN or b.dtype != dt):
+                return f"layers[{k}].bias is not a plain tensor parameter of the input's dtype"
+        for k, act in enumerate(self._modules["activations"]._modules.values()):
+            if _hooked(act):
+                return f"activations[{k}] has hooks, which would see the chain's feature-major [heads, hidden, batch] layout"
+        return None
+
+    def _auto_context(self, x: torch.Tensor) -> Optional[str]:
+        """Why ``auto`` runs the layers whatever the table says, or None (the cheap checks first)."""
+        if torch.compiler.is_compiling():
+            return "torch.compile or export is tracing: the layers' ops plan per call, so one graph serves every batch size"
+        if x.numel() == 0:
+            return "the batch is empty"
+        if torch._C._are_functorch_transforms_active():
+            return "a torch.func transform is active"
+        if _autocast_on():
+            return "autocast is on: each layer casts and plans in autocast's dtype"
+        for k, layer in enumerate(self._modules["layers"]._modules.values()):
+            if layer._backend != "auto":
+                return f"layers[{k}] has backend={layer._backend!r}, which is honoured"
+        return self._chain_refusal(x)
+
+    def _auto_runs_chain(self, x: torch.Tensor) -> bool:
+        """``auto``'s per-call decision: the checks of :meth:`_auto_context`, then the cached choice.
+
+        The same checks as ``_auto_context`` (which says why, for :meth:`plan`), in one pass
+        and without building messages: this runs on every call.
+        """
+        if (
+            torch.compiler.is_compiling()  # first: dynamo folds it to a constant and traces nothing else here
+            or x.numel() == 0
+            or torch._C._are_functorch_transforms_active()
+            or (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _autocast_on())
+        ):
+            return False
+        mm = _nn_module
+        if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
+            return False
+        dt = x.dtype
+        grad = torch.is_grad_enabled()
+        rg = grad and x.requires_grad
+        mask, bit = 0, 1  # bit k: autograd records layer k's product
+        dev = None
+        for layer in self._modules["layers"]._modules.values():
+            if (
+                layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks
+                or layer._backend != "auto" or "parametrizations" in layer._modules
+            ):
+                return False
+            p = layer._parameters
+            w = p.get("weight")
+            if w is None or type(w) not in _PLAIN or w.dtype != dt or "bias" not in p:
+                return False
+            if dev is None:
+                dev = w.device
+                if dev != x.device:
+                    return False
+            b = p["bias"]
+            if b is not None and (type(b) not in _PLAIN or b.dtype != dt):
+                return False
+            if grad and not rg:
+                rg = w.requires_grad or (b is not None and b.requires_grad)
+            if rg:
+                mask |= bit
+            bit <<= 1
+        for act in self._modules["activations"]._modules.values():
+            if act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks:
+                return False
+        # The epoch (blockdiag.dispatch's: settings, profile, registry, thread count) moves
+        # whenever the table's answer may change, so an entry is never checked, only looked up.
+        ep = _settings.epoch()
+        key = (x.shape, dt, dev, mask, ep)
+        chain = self._decisions.get(key)
+        if chain is not None:
+            return chain
+        chain = self._measured_choice(x)[0]
+        if ep == _settings.epoch():  # kept only if the epoch did not move while planning
+            if len(self._decisions) > 256:
+                self._decisions.clear()
+            self._decisions[key] = chain
+        return chain
+
+    def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
+        """Each layer's plan for the input it would get (``GroupedLinear.plan`` on stand-ins)."""
+        lead = x.shape[:-1].numel()
+        grad_enabled = torch.is_grad_enabled()
+        rg = x.requires_grad
+        plans = []
+        for layer in self.layers:
+            # A stand-in of the layer's input: right shape, dtype, device and requires_grad,
+            # one element of storage (the plan reads no data).
+            stand_in = torch.empty((), dtype=x.dtype, device=x.device)
+            if rg and grad_enabled and stand_in.is_floating_point():
+                stand_in.requires_grad_()
+            plans.append(layer.plan(stand_in.expand(lead, layer.in_features)))
+            rg = rg or any(p.requires_grad for p in layer.parameters())
+        return tuple(plans)
+
+    def _measured_choice(self, x: torch.Tensor) -> tuple[bool, str, Optional[float], Optional[float], tuple[Plan, ...]]:
+        """(run the chain, why, chain estimate, layers estimate, layer plans) from the measured table."""
+        plans = self._layer_plans(x)
+        chain_us: Optional[float] = 0.0
+        layers_us: Optional[float] = 0.0
+        for plan in plans:
+            by_name = {c.name: c for c in plan.candidates}
+            fm, own = by_name.get("bmm_fm"), by_name.get(plan.backend)
+            chain_us = None if chain_us is None or fm is None or not fm.ok or fm.estimate_us is None else chain_us + fm.estimate_us
+            layers_us = None if layers_us is None or own is None or own.estimate_us is None else layers_us + own.estimate_us
+        if chain_us is None or layers_us is None:
+            missing = "fm_chain" if chain_us is None else "layers"
+            return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
+        if chain_us <= CHAIN_ADVANTAGE * layers_us:
+            ratio = chain_us / layers_us if layers_us > 0 else 0.0
+            return True, (f"allowed, and estimated faster: the table's bmm_fm times sum to {ratio:.2f}x the layers' "
+                          f"(the chain is taken up to {CHAIN_ADVANTAGE}x: it saves a copy and a call per layer)"), chain_us, layers_us, plans
+        return False, f"the layers' own backends are measured {chain_us / layers_us:.2f}x faster than fm_chain", chain_us, layers_us, plans
+
+    def plan(self, x: torch.Tensor) -> MLPPlan:
+        """Which strategy runs for ``x``, why, and each layer's plan (print it for a report).
+
+        >>> print(GroupedMLP(8, 4, 1, heads=3).plan(torch.randn(5, 8)).strategy in ("fm_chain", "layers"))
+        True
+
+        Args:
+            x: an input the model would be called on (its shape, dtype, device and whether
+                autograd records decide the plan; it is not computed with).
+
+        Returns:
+            an :class:`MLPPlan`.
+
+        Raises:
+            BlockDiagError: an input the model cannot run, or ``strategy="fm_chain"`` where
+                the chain cannot run.
+        """
+        fn = f"{type(self).__name__}.plan"
+        n_in = self.in_features * (1 if self.shared_input else self.heads)
+        check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
+        plans = self._layer_plans(x)
+        if self._strategy == "layers":
+            return MLPPlan("layers", "layers", "fixed by the user (strategy='layers')", layers=plans)
+        if self._strategy == "fm_chain":
+            why = self._chain_refusal(x)
+            check(fn, why is None, f"strategy='fm_chain' cannot run: {why}; use strategy='layers' or 'auto'")
+            return MLPPlan("fm_chain", "fm_chain", "fixed by the user (strategy='fm_chain')", layers=plans)
+        why = self._auto_context(x)
+        if why is not None:
+            return MLPPlan("layers", "auto", f"the chain is not allowed here: {why}", layers=plans)
+        chain, reason, chain_us, layers_us, plans = self._measured_choice(x)
+        return MLPPlan("fm_chain" if chain else "layers", "auto", reason, chain_us, layers_us, plans)
+
+    # ------------------------------------------------------------ the fused chain
+
     def _forward_feature_major(self, x: torch.Tensor) -> torch.Tensor:
+        # The parameters are read from ``_parameters`` (where the chain's checks found them
+        # plain), and the layers and activations from their containers' dicts: attribute
+        # access through nn.Module.__getattr__ and slicing a ModuleList (a new module per
+        # call) cost more than the small products here.
+        layers = tuple(self._modules["layers"]._modules.values())
+        acts = tuple(self._modules["activations"]._modules.values())
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         n, hds = x2.shape[0], self.heads
-        first = self.layers[0]
+        first = layers[0]
         if self.shared_input:
             # One wide GEMM [H*h, in] @ [in, N]: x is read in place through its transpose.
-            w = first.weight[0]
-            h = torch.addmm(first.bias[:, None], w, x2.t()) if first.bias is not None else w @ x2.t()
-            h = h.view(hds, -1, n)
+            p = first._parameters
+            w, b = p["weight"][0], p["bias"]
+            h = torch.addmm(b[:, None], w, x2.t()) if b is not None else w @ x2.t()
+            h = h.view(hds, first.out_features // hds, n)  # not -1: an empty batch has 0 elements
         else:
             xv = x2.view(n, hds, self.in_features).permute(1, 2, 0)  # [H, in, N] view
             h = self._bmm(first, xv)
-        for k, layer in enumerate(self.layers[1:]):
-            h = self.activations[k](h)
-            h = self._bmm(layer, h)
+        for k in range(1, len(layers)):
+            h = acts[k - 1](h)
+            h = self._bmm(layers[k], h)
         # [H, out, N] -> [N, H*out]: the one transpose of the whole stack.
         return h.permute(2, 0, 1).reshape(*lead, hds * self.out_features)
 
     @staticmethod
     def _bmm(layer: GroupedLinear, h: torch.Tensor) -> torch.Tensor:
-        if layer.bias is None:
-            return torch.bmm(layer.weight, h)
-        return torch.baddbmm(layer.bias.view(layer.groups, layer.block_out, 1), layer.weight, h)
+        p = layer._parameters
+        w, b = p["weight"], p["bias"]
+        if b is None:
+            return torch.bmm(w, h)
+        return torch.baddbmm(b.view(layer.groups, layer.block_out, 1), w, h)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, in_features={self.in_features}, hidden={list(self.hidden_features)}, "
-            f"out_features={self.out_features}, shared_input={self.shared_input}, backend={self.backend!r}"
+            f"out_features={self.out_features}, shared_input={self.shared_input}, backend={self.backend!r}, "
+            f"strategy={self.strategy!r}"
         )
 
     @classmethod
-    def from_heads(cls, heads: Sequence[nn.Module], *, shared_input: bool = True, backend: str = "auto") -> "GroupedMLP":
+    def from_heads(
+        cls, heads: Sequence[nn.Module], *, shared_input: bool = True, backend: str = "auto", strategy: str = "auto"
+    ) -> "GroupedMLP":
         """Build from identical ``nn.Sequential(Linear, act, ..., Linear)`` heads, copying weights.
 
         Afterwards ``model(x)`` equals ``torch.cat([h(x) for h in heads], -1)`` (with
@@ -225,6 +582,7 @@ class GroupedMLP(nn.Module):
                 position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
+            strategy: for the new model (``"auto"``, ``"layers"`` or ``"fm_chain"``).
 
         Returns:
             a ``GroupedMLP`` on the heads' device and dtype, activations deep-copied from
@@ -233,7 +591,8 @@ class GroupedMLP(nn.Module):
         Raises:
             BlockDiagError: empty input, heads that differ in structure or shape (the
                 message names the head and the position), or an activation with parameters
-                or one that is not element-wise (PReLU, LayerNorm, Softmax).
+                or one that is not element-wise (PReLU, LayerNorm, Softmax, or a subclass
+                of one of them).
         """
         fn = "GroupedMLP.from_heads"
         heads = list(heads)
@@ -282,6 +641,7 @@ class GroupedMLP(nn.Module):
                         repr(m) == repr(r),
                         f"heads[{h}][{k}] is {m!r} but heads[0][{k}] is {r!r}",
                     )
+        refuse_sharded(fn, nn.ModuleList(heads), "heads.")  # DTensor heads: gather them first
         lins0 = ref[::2]
         bias = lins0[0].bias is not None
         check(
@@ -293,7 +653,7 @@ class GroupedMLP(nn.Module):
         w0 = lins0[0].weight
         model = cls(
             sizes[0], sizes[1:-1], sizes[-1], len(heads),
-            bias=bias, shared_input=shared_input, backend=backend,
+            bias=bias, shared_input=shared_input, backend=backend, strategy=strategy,
             device=w0.device, dtype=w0.dtype,
         )
         model.activations = nn.ModuleList(copy.deepcopy(m) for m in ref[1::2])
@@ -314,7 +674,12 @@ class GroupedMLP(nn.Module):
         Returns:
             an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear)``
             (activations deep-copied) on this model's device and dtype.
+
+        Raises:
+            BlockDiagError: a distributed model (DTensor parameters, e.g. group parallel):
+                ``blockdiag.distributed.gather_model`` it first, on every rank.
         """
+        refuse_sharded("GroupedMLP.to_heads", self)
         sizes = [self.in_features, *self.hidden_features, self.out_features]
         out = nn.ModuleList()
         for h in range(self.heads):

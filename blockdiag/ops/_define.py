@@ -41,7 +41,7 @@ from torch.autograd import forward_ad as _fwad
 
 from .._errors import BlockDiagError
 
-__all__ = ["LIB", "OpEntry", "define", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
+__all__ = ["LIB", "OpEntry", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
 
 LIB = torch.library.Library("blockdiag", "DEF")
 
@@ -257,11 +257,29 @@ def _validate(name: str, x, weight, bias) -> None:
     _VALID[key] = True
 
 
+def differentiable_backward_needed(gy: torch.Tensor) -> bool:
+    """Whether a backward must be written in differentiable torch ops rather than run the kernels.
+
+    Under ``create_graph=True`` (grad mode is on in the backward), under a ``torch.func``
+    transform, and for batched gradients (``autograd.grad(..., is_grads_batched=True)``, whose
+    vmap hands the backward a batched tensor without a functorch transform in force): the
+    kernels see plain tensors only, and their results would not be differentiable.
+    """
+    return (
+        torch.is_grad_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._functorch.is_batchedtensor(gy)
+        or torch._C._functorch.is_legacy_batchedtensor(gy)
+    )
+
+
 def _differentiable_backward(name: str, ctx, gy):
     """Double backward or a ``torch.func`` transform: the gradients in differentiable ops."""
     from ..backends import get
 
-    if not torch._C._are_functorch_transforms_active() and not get(name).double_grad:
+    # Only a true double backward needs the declaration: torch.func and batched gradients
+    # differentiate the first-order formula once, which every backend's values support.
+    if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active() and not get(name).double_grad:
         raise BlockDiagError(
             f"{name}: the backward is first-order only and cannot be differentiated again "
             f"(create_graph=True); use one of the backends that declare double_grad: "
@@ -307,7 +325,7 @@ def _functions(entry: OpEntry) -> None:
     name = entry.name
 
     def backward_kernels(ctx, gy):
-        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        if differentiable_backward_needed(gy):
             return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -315,7 +333,7 @@ def _functions(entry: OpEntry) -> None:
         return gx, gw, (gb if need_b else None)
 
     def backward_op(ctx, gy):
-        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        if differentiable_backward_needed(gy):
             return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _fwad
 
+from .. import settings as _settings
 from ..backends import Problem, get
 from ._define import (
+    _ENTRIES,
     BACKWARD_SCHEMA,
     LIB,
     _contiguous,
@@ -26,7 +28,7 @@ from ._define import (
     _records,
     _named,
     _setup,
-    entries,
+    differentiable_backward_needed,
     generic_backward,
 )
 
@@ -38,16 +40,29 @@ FORWARD = torch.ops.blockdiag.auto.default
 BACKWARD = torch.ops.blockdiag.auto_backward.default
 
 
+# (rows, weight shape, dtype, device type, train, epoch) -> backend name: the op runs once per
+# call of a compiled graph, and building the Problem costs more than the lookup.
+_CHOICE: dict = {}
+
+
 def choice(x: torch.Tensor, weight: torch.Tensor, train: bool) -> str:
     """The backend ``auto`` runs for a 2-D ``x`` and ``weight`` (what eager ``auto`` picks)."""
-    from ..dispatch import choose
+    ep = _settings.epoch()
+    key = (x.shape[0], weight.shape, x.dtype, x.device.type, train, ep)
+    name = _CHOICE.get(key)
+    if name is None:
+        from ..dispatch import choose
 
-    g, o, i = weight.shape
-    return choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train))).backend
+        g, o, i = weight.shape
+        name = choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train))).backend
+        if len(_CHOICE) > 4096:
+            _CHOICE.clear()
+        _CHOICE[key] = name
+    return name
 
 
 def _forward_kernel(name, x, weight, bias):
-    entry = entries().get(name)
+    entry = _ENTRIES.get(name)
     if entry is None:  # a backend registered without ops: its function, without autograd
         with torch.no_grad():
             return get(name).fn(x, weight, bias)
@@ -72,7 +87,7 @@ def _fake(x, weight, bias, train):
 
 def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
     name = choice(x, weight, True)
-    entry = entries().get(name)
+    entry = _ENTRIES.get(name)
     if entry is None:
         gx, gw, gb = generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
     else:
@@ -92,7 +107,7 @@ def _bwd_fake(gy, x, weight, has_bias, need_x, need_w):
 def _backward(ctx, gy):
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+    if differentiable_backward_needed(gy):
         # auto always has a differentiable backward: double backward and torch.func use it.
         return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
     gx, gw, gb = BACKWARD(gy, x, weight, ctx.has_bias, need_x, need_w)

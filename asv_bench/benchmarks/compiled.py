@@ -1,0 +1,201 @@
+"""``torch.compile``'d training steps: GroupedLinear and GroupedMLP against the compiled peers.
+
+The models of ``blockdiag bench --compiled``: ``GroupedLinear`` (G groups of in x out, each
+reading its slice of the input, whose gradient is needed as inside a network) and
+``GroupedMLP`` (G heads ``in -> out -> ReLU -> out`` on one shared input, the forum's model),
+each against ``torch.compile`` of the loop of heads (``nn.Linear`` / ``nn.Sequential``, then
+``cat``) and of ``torch.func`` vmap ensembling (``stack_module_state`` + ``functional_call``),
+all holding the same weights. A training step is forward and backward. Every graph is
+compiled before timing (``dynamic=False``, dynamo reset first), so compile time is never timed.
+
+``CompiledRatio``'s two tracks are the numbers to watch (issue 21's targets in brackets):
+``track_compiled_over_eager``, compiled blockdiag over eager blockdiag (<= 1.02 on geometric
+mean), and ``track_compiled_over_best_peer``, compiled blockdiag over the fastest compiled
+peer (<= 0.8 on geometric mean, under 1 at every shape), each measured in one process with
+interleaved rounds (minimum per method).
+"""
+
+import copy
+import timeit
+
+import torch
+from torch import nn
+
+import blockdiag
+
+from .common import DEVICES, grid, parse_block, require_device, sync, try_run
+
+# (groups, batch, block): the forum shape, a square-block shape, few large groups. The loop of
+# 256 heads is left out: compiling it takes minutes on a small machine.
+SHAPES = grid(["50/256/150x10", "16/256/64x64", "4/1024/256x256"], ["3/4/6x4"])
+MODELS = ["GroupedLinear", "GroupedMLP"]
+METHODS = ["blockdiag", "blockdiag_compiled", "loop_compiled", "vmap_compiled"]
+PEERS = ("loop_compiled", "vmap_compiled")
+# The CI smoke run times only compiled blockdiag step by step: CompiledRatio compiles and
+# runs every method anyway, and each compile costs seconds on 2 cores.
+STEP_METHODS = grid(METHODS, ["blockdiag_compiled"])
+
+
+class _Loop(nn.Module):
+    def __init__(self, heads, split):
+        super().__init__()
+        self.heads, self.split = heads, split
+
+    def forward(self, x):
+        xs = x.split(self.split, dim=-1) if self.split else [x] * len(self.heads)
+        return torch.cat([h(xs[k]) for k, h in enumerate(self.heads)], dim=-1)
+
+
+class _Vmap(nn.Module):
+    def __init__(self, heads, split):
+        super().__init__()
+        from torch.func import stack_module_state
+
+        params, _ = stack_module_state(list(heads))
+        self.keys = list(params)
+        self.stacked = nn.ParameterList(nn.Parameter(params[k].detach().clone()) for k in self.keys)
+        self.groups, self.split = len(heads), split
+        self._base = (copy.deepcopy(heads[0]).to("meta"),)  # a tuple: not a submodule
+
+    def forward(self, x):
+        from torch.func import functional_call, vmap
+
+        base = self._base[0]
+
+        def one(prm, xx):
+            return functional_call(base, prm, (xx,))
+
+        prm = dict(zip(self.keys, self.stacked))
+        n = x.shape[0]
+        if self.split:
+            y = vmap(one)(prm, x.view(n, self.groups, self.split).transpose(0, 1))
+        else:
+            y = vmap(one, in_dims=(0, None))(prm, x)
+        return y.transpose(0, 1).reshape(n, -1)
+
+
+def _modules(model, shape, device):
+    g, n, block = shape.split("/")
+    g, n = int(g), int(n)
+    i, o = parse_block(block)
+    torch.manual_seed(0)
+    if model == "GroupedLinear":
+        bd = blockdiag.GroupedLinear(g * i, g * o, g, device=device)
+        heads, split = bd.to_linears(), i
+        x = torch.randn(n, g * i, device=device, requires_grad=True)
+    else:
+        bd = blockdiag.GroupedMLP(i, [o], o, heads=g, device=device)
+        heads, split = bd.to_heads(), None
+        x = torch.randn(n, i, device=device)
+    gy = torch.randn(n, g * o, device=device)
+    return {"blockdiag": bd, "loop": _Loop(heads, split), "vmap": _Vmap(heads, split)}, x, gy
+
+
+def _steps(model, shape, device, methods):
+    """method -> a warm training step (compiled ones compiled by two calls)."""
+    torch._dynamo.reset()
+    mods, x, gy = _modules(model, shape, device)
+    steps = {}
+    for method in methods:
+        mod = mods[method.removesuffix("_compiled")]
+        fn = torch.compile(mod, dynamic=False) if method.endswith("_compiled") else mod
+        params = [x, *mod.parameters()]
+
+        def step(fn=fn, params=params):
+            fn(x).backward(gy)
+            for t in params:
+                t.grad = None
+
+        try_run(step)  # compiles the forward and backward graphs
+        step()  # a recompile on the second call is not timed either
+        steps[method] = step
+    sync(device)
+    return steps
+
+
+class CompiledStep:
+    """One training step of each method: eager blockdiag, and the compiled models."""
+
+    params = (MODELS, STEP_METHODS, DEVICES, SHAPES)
+    param_names = ["model", "method", "device", "shape (groups/batch/in x out)"]
+    repeat = (1, 5, 2.0)
+    warmup_time = 0.05
+    timeout = 600  # setup compiles
+
+    def setup(self, model, method, device, shape):
+        require_device(device)
+        self.device = device
+        self.step = _steps(model, shape, device, [method])[method]
+
+    def time_train_step(self, *_):
+        self.step()
+        sync(self.device)
+
+
+def _time(step, device, target_s) -> float:
+    def run():
+        step()
+        sync(device)
+
+    number = 1
+    while True:
+        t = timeit.timeit(run, number=number)
+        if t >= target_s:
+            return t / number
+        number *= 2
+
+
+class CompiledRatio:
+    """Compiled blockdiag over eager blockdiag, and over the fastest compiled peer, in one process.
+
+    Everything is measured once, in ``setup_cache`` (every graph of every shape compiled
+    there): each track reads its ratio from it.
+    """
+
+    params = (MODELS, DEVICES, SHAPES)
+    param_names = ["model", "device", "shape (groups/batch/in x out)"]
+    unit = "compiled blockdiag time / other time"
+    rounds = 10
+    target_s = 0.02
+    timeout = 1800
+
+    def setup_cache(self):
+        out = {}
+        for model in MODELS:
+            for device in DEVICES:
+                for shape in SHAPES:
+                    try:
+                        steps = _steps(model, shape, device, METHODS)
+                    except NotImplementedError:
+                        continue
+                    except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
+                        out[(model, device, shape)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        continue
+                    times = {m: [] for m in steps}
+                    # Interleaved rounds, the minimum of each (noise on a shared machine only adds time).
+                    for _ in range(self.rounds):
+                        for m, step in steps.items():
+                            times[m].append(_time(step, device, self.target_s))
+                    best = {m: min(ts) for m, ts in times.items()}
+                    out[(model, device, shape)] = {
+                        "eager": best["blockdiag_compiled"] / best["blockdiag"],
+                        "peer": best["blockdiag_compiled"] / min(best[m] for m in PEERS),
+                    }
+                    del steps
+        torch._dynamo.reset()
+        return out
+
+    def setup(self, cache, model, device, shape):
+        require_device(device)
+        got = cache.get((model, device, shape))
+        if got is None:
+            raise NotImplementedError("not measured here")
+        if isinstance(got, str):
+            raise RuntimeError(got)
+        self.ratios = got
+
+    def track_compiled_over_eager(self, *_):
+        return self.ratios["eager"]
+
+    def track_compiled_over_best_peer(self, *_):
+        return self.ratios["peer"]

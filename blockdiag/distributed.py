@@ -1,0 +1,345 @@
+"""Group parallelism: the groups of ``GroupedLinear`` / heads of ``GroupedMLP`` sharded across ranks.
+
+Import it explicitly (``import blockdiag.distributed``): it loads ``torch.distributed.tensor``,
+which ``import blockdiag`` does not, and registers blockdiag's DTensor sharding rules.
+
+The groups of a grouped layer are independent, so they parallelise with no communication:
+each rank of a 1-D device mesh owns ``G / world`` consecutive groups (the weight and bias
+``Shard(0)``, a DTensor), and a :class:`~blockdiag.GroupedMLP` stack runs rank-local from its
+first layer to its last. :class:`GroupParallel` is the ``ParallelStyle`` for
+``torch.distributed.tensor.parallel.parallelize_module``; :func:`parallelize_groups` applies it
+to a whole model; :func:`gather_model` collects a plain copy; :func:`local_groups` says which
+groups (heads) a rank owns. The full guide, with FSDP2 on a 2-D mesh, distributed checkpoints
+and a multi-GPU recipe, is ``docs/distributed.md``.
+
+Example (on every rank of a ``torchrun`` job; not run here)::
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import blockdiag, blockdiag.distributed as bdd
+
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = blockdiag.GroupedMLP(150, [10, 10], 1, heads=52)  # the same seed on every rank
+    bdd.parallelize_groups(model, mesh)  # output: this rank's heads, Shard(-1), as a local tensor
+    y_local = model(x)                   # x: the whole (replicated) input; no collective
+    heads = bdd.local_groups(model.heads, mesh)  # the heads whose outputs y_local holds
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from ._errors import BlockDiagError
+from .nn import GroupedLinear, GroupedMLP
+from .ops import _sharding
+from .ops._sharding import UnevenGroupsError
+
+__all__ = ["GroupParallel", "UnevenGroupsError", "gather_model", "local_groups", "parallelize_groups"]
+
+_sharding.ensure()
+
+# distribute_tensor's src_data_rank (which rank's values are scattered; None: each rank's own)
+# arrived in torch 2.6; older versions always scatter rank 0's.
+_HAS_SRC_DATA_RANK = "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_mesh(fn: str, mesh: DeviceMesh) -> int:
+    if not isinstance(mesh, DeviceMesh):
+        raise BlockDiagError(f"{fn}: device_mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = getattr(mesh, "mesh_dim_names", None)
+        raise BlockDiagError(
+            f"{fn}: group parallelism shards over one mesh dimension, got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}" + (f" with dimensions {names}" if names else "")
+            + "; pass one dimension of it, e.g. mesh['gp'] (FSDP2 takes another, see docs/distributed.md)"
+        )
+    return mesh.size()
+
+
+def _check_split(fn: str, what: str, count: int, world: int, hint: str) -> None:
+    """Each rank must own the same number of whole groups (heads)."""
+    if count % world != 0:
+        near = sorted({max(world, count - count % world), count - count % world + world})
+        raise BlockDiagError(
+            f"{fn}: {what}={count} cannot be split evenly over {world} ranks: each rank must own "
+            f"the same number of whole {hint} (DTensor shards features with torch.chunk, which would "
+            f"cut a group apart); use {what} divisible by {world} (e.g. "
+            f"{' or '.join(map(str, near))}) or a mesh dimension whose size divides {count} ({_divisors(count)})"
+        )
+
+
+def _check_plain(fn: str, module: nn.Module) -> None:
+    """Group parallelism applies once, to plain parameters (before FSDP2's ``fully_shard``)."""
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise BlockDiagError(
+                f"{fn}: parameter {name!r} is already a DTensor {tuple(p.placements)}: apply group "
+                "parallelism once, to a model with plain parameters, and before FSDP2's fully_shard"
+            )
+
+
+def _placement(fn: str, arg: str, p: Placement | None, default: Placement, ndim_hint: str) -> Placement:
+    p = default if p is None else p
+    if isinstance(p, (tuple, list)):
+        if len(p) != 1:
+            raise BlockDiagError(f"{fn}: {arg} must be one placement on a 1-D mesh, got {p!r}")
+        p = p[0]
+    if isinstance(p, Replicate):
+        return p
+    if type(p) is Shard and p.dim == -1:
+        return p
+    raise BlockDiagError(
+        f"{fn}: {arg} must be Replicate() or Shard(-1) ({ndim_hint}), got {p!r}"
+    )
+
+
+def _normalized(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p
+
+
+def _to_dtensor(x, mesh: DeviceMesh, layout: Placement):
+    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+        return x
+    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+def _finish(x, layout: Placement, use_local_output: bool):
+    if not isinstance(x, DTensor):
+        return x
+    want = (_normalized(layout, x.ndim),)
+    if tuple(_normalized(p, x.ndim) for p in x.placements) != want:
+        x = x.redistribute(placements=want)
+    return x.to_local() if use_local_output else x
+
+
+class GroupParallel(ParallelStyle):
+    """Shard a ``GroupedLinear``'s groups (or a ``GroupedMLP``'s heads) across a 1-D mesh.
+
+    A ``ParallelStyle`` for ``torch.distributed.tensor.parallel.parallelize_module``. On a
+    :class:`~blockdiag.GroupedLinear` with ``groups > 1`` it makes the weight
+    ``[G, out, in]`` and bias ``[G*out]`` DTensors sharded by group (``Shard(0)``): rank ``r``
+    of ``world`` holds groups ``r*G/world ... (r+1)*G/world - 1``. A one-group layer (the wide
+    first layer of a shared-input ``GroupedMLP``) is split by output rows instead (weight
+    ``Shard(1)``, bias ``Shard(0)``, column parallelism), which gives each rank the hidden units
+    of its own heads. On a :class:`~blockdiag.GroupedMLP` it does this to every layer so that
+    the whole stack runs rank-local (:func:`parallelize_groups`).
+
+    Args:
+        input_layouts: how a plain (local) input tensor is laid out across the mesh:
+            ``Replicate()`` (default: every rank passes the whole input; each rank's product
+            reads its own groups' slice of it in place, with no communication) or
+            ``Shard(-1)`` (each rank passes only its groups' features, ``[..., G/world * in]``;
+            not for a shared input, which every head reads whole). A DTensor input is taken
+            as it is.
+        output_layouts: ``Shard(-1)`` (default: each rank keeps its groups' outputs
+            ``[..., G/world * out]``, no communication) or ``Replicate()`` (one all-gather:
+            every rank gets the whole output).
+        use_local_output: return a plain local tensor (default) instead of a DTensor.
+
+    Raises:
+        BlockDiagError: a layout other than the above; when applied, another module type, a
+            mesh that is not 1-D, or a group (head) count the mesh cannot split evenly (the
+            message names it and the number of ranks).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ):
+        super().__init__()
+        fn = type(self).__name__
+        self.input_layouts = _placement(fn, "input_layouts", input_layouts, Replicate(), "the input's last dimension, by group")
+        self.output_layouts = _placement(fn, "output_layouts", output_layouts, Shard(-1), "the output's last dimension, by group")
+        self.use_local_output = bool(use_local_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        fn = type(self).__name__
+        if isinstance(module, GroupedMLP):
+            return _parallelize_mlp(fn, module, device_mesh, self)
+        if not isinstance(module, GroupedLinear):
+            raise BlockDiagError(
+                f"{fn}: applies to a blockdiag GroupedLinear or GroupedMLP, got {type(module).__name__}"
+            )
+        world = _check_mesh(fn, device_mesh)
+        _check_plain(fn, module)
+        if module.groups > 1:
+            _check_split(fn, "groups", module.groups, world, "groups")
+        else:
+            _check_split(fn, "out_features", module.out_features, world, "output rows of the one group")
+        _shard_layer(module, device_mesh, getattr(self, "src_data_rank", 0))
+        return distribute_module(
+            module,
+            device_mesh,
+            None,
+            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, self.input_layouts), *inputs[1:]),
+            lambda mod, out, mesh: _finish(out, self.output_layouts, self.use_local_output),
+        )
+
+
+def _shard_layer(layer: GroupedLinear, mesh: DeviceMesh, src_data_rank) -> None:
+    """Weight ``Shard(0)`` by group (``Shard(1)``, by output row, for one group); bias ``Shard(0)``."""
+    kw = {"src_data_rank": src_data_rank} if _HAS_SRC_DATA_RANK else {}
+    for name, placement in (("weight", Shard(1) if layer.groups == 1 else Shard(0)), ("bias", Shard(0))):
+        p = layer._parameters.get(name)
+        if p is None:
+            continue
+        layer.register_parameter(
+            name, nn.Parameter(distribute_tensor(p.detach(), mesh, [placement], **kw), requires_grad=p.requires_grad)
+        )
+
+
+def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupParallel) -> GroupedMLP:
+    world = _check_mesh(fn, mesh)
+    _check_plain(fn, model)
+    _check_split(fn, "heads", model.heads, world, "heads")
+    if model.shared_input and isinstance(style.input_layouts, Shard):
+        raise BlockDiagError(
+            f"{fn}: input_layouts=Shard(-1) on a shared-input GroupedMLP: every head reads the whole input, "
+            "so it cannot be sharded by head; pass it replicated (input_layouts=Replicate(), the default)"
+        )
+    last = len(model.layers) - 1
+    for k, layer in enumerate(model.layers):
+        sub = GroupParallel(
+            input_layouts=style.input_layouts if k == 0 else Shard(-1),
+            output_layouts=style.output_layouts if k == last else Shard(-1),
+            use_local_output=style.use_local_output if k == last else True,
+        )
+        sub.src_data_rank = getattr(style, "src_data_rank", 0)
+        sub._apply(layer, mesh)
+    # The model checks the input's global shape before its first layer runs: make a local
+    # input a DTensor here already (the first layer then takes it as it is).
+    model.register_forward_pre_hook(lambda mod, inputs: (_to_dtensor(inputs[0], mesh, style.input_layouts), *inputs[1:]))
+    return model
+
+
+def parallelize_groups(
+    model: GroupedMLP | GroupedLinear,
+    mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = True,
+) -> GroupedMLP | GroupedLinear:
+    """Shard a model's heads (groups) across a 1-D mesh, in place: :class:`GroupParallel` on it.
+
+    On a :class:`~blockdiag.GroupedMLP` every layer is sharded by head, so the stack runs
+    rank-local from the first layer to the last: rank ``r`` computes heads
+    :func:`local_groups` ``(model.heads, mesh)``. A shared input's first layer (one group,
+    ``[1, heads*hidden, in]``) is split by output rows (weight ``Shard(1)``), which are exactly
+    the hidden units of this rank's heads; every later layer by group (``Shard(0)``). Between
+    layers the hidden units stay local tensors; the only collective is the all-gather of the
+    output when ``output_layouts=Replicate()`` (none by default). The gradients need none
+    either: each rank's parameters get the gradients of its own heads. Call it on every
+    rank, with the same initial parameters (the same seed), before creating the optimizer.
+
+    Args:
+        model: a ``GroupedMLP`` or a ``GroupedLinear``.
+        mesh: a 1-D ``DeviceMesh`` (one dimension of a larger one, e.g. ``mesh["gp"]``).
+        input_layouts: see :class:`GroupParallel`.
+        output_layouts: see :class:`GroupParallel`.
+        use_local_output: see :class:`GroupParallel`.
+
+    Returns:
+        ``model``, its parameters now DTensors.
+
+    Raises:
+        BlockDiagError: heads (groups) not divisible by the mesh size, naming both; a mesh
+            that is not 1-D; a sharded input for a shared-input model.
+    """
+    style = GroupParallel(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+    fn = "parallelize_groups"
+    if not isinstance(model, (GroupedMLP, GroupedLinear)):
+        raise BlockDiagError(f"{fn}: model must be a blockdiag GroupedMLP or GroupedLinear, got {type(model).__name__}")
+    _check_mesh(fn, mesh)  # before parallelize_module, whose own refusal of a 2-D mesh names no dimension
+    return parallelize_module(model, mesh, style)
+
+
+def local_groups(groups: int, mesh: DeviceMesh) -> range:
+    """The groups (heads) this rank owns when ``groups`` are sharded over the 1-D ``mesh``.
+
+    Args:
+        groups: the model's group or head count (divisible by the mesh size).
+        mesh: the 1-D mesh the model was parallelized over.
+
+    Returns:
+        ``range(r * groups // world, (r + 1) * groups // world)`` for this rank's
+        coordinate ``r`` on the mesh; a sharded output holds these heads, in order.
+
+    Raises:
+        BlockDiagError: as :func:`parallelize_groups`.
+    """
+    world = _check_mesh("local_groups", mesh)
+    _check_split("local_groups", "groups", groups, world, "groups")
+    r = mesh.get_local_rank()
+    per = groups // world
+    return range(r * per, (r + 1) * per)
+
+
+def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinear:
+    """A plain (undistributed) copy of a group-parallel model, every parameter gathered in full.
+
+    A collective: call it on every rank (each gets the whole copy). Use it before
+    :meth:`~blockdiag.GroupedMLP.to_heads` or ``to_linears``, which refuse a distributed
+    model, or to evaluate or save the model on one rank.
+
+    Args:
+        model: a ``GroupedMLP`` or ``GroupedLinear`` whose parameters may be DTensors (group
+            parallel, FSDP2, or both).
+
+    Returns:
+        a new model of the same type and configuration on the parameters' device, with
+        plain parameters equal to the full tensors; ``model`` is unchanged.
+
+    Raises:
+        BlockDiagError: another module type.
+    """
+    fn = "gather_model"
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    if isinstance(model, GroupedMLP):
+        w = state["layers.0.weight"]
+        plain = GroupedMLP(
+            model.in_features, list(model.hidden_features), model.out_features, model.heads,
+            bias=model.layers[0].bias is not None, shared_input=model.shared_input,
+            backend=model.backend, strategy=model.strategy, device=w.device, dtype=w.dtype,
+        )
+        plain.activations = copy.deepcopy(model.activations)
+    elif isinstance(model, GroupedLinear):
+        w = state["weight"]
+        plain = GroupedLinear(
+            model.in_features, model.out_features, model.groups, model.bias is not None,
+            backend=model.backend, device=w.device, dtype=w.dtype,
+        )
+    else:
+        raise BlockDiagError(f"{fn}: model must be a blockdiag GroupedMLP or GroupedLinear, got {type(model).__name__}")
+    plain.load_state_dict(state)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        p.requires_grad_(q.requires_grad)
+    return plain

@@ -1,0 +1,627 @@
+"""Group parallelism on torch.distributed (``blockdiag.distributed``): gloo on CPU, 2 and 4 processes.
+
+Each world size is one job: this file, run as a script in a subprocess (its own session, so a
+timeout kills every process of it), forks ``world`` workers with
+``torch.multiprocessing.start_processes``; each joins a gloo process group through a file
+store, runs every check of its job and writes the measured errors to ``<tmp>/<job>-<rank>.json``.
+The tests below assert on those numbers. One job per world size keeps the family to a few
+process starts: the workers are forked from a launcher that has already imported torch and
+blockdiag, so no worker pays the imports again.
+
+The jobs, in order (the 2-rank job loads the 4-rank job's checkpoint):
+
+* ``w4``: the forum's model needs divisibility here, so 50 heads on 4 ranks is the error path
+  and ``heads=52`` the forum's shapes that divide; outputs, every gradient and 50 Adam steps
+  against one process; float64; FSDP2 on a 2-D mesh ``("dp", "gp")``; a checkpoint saved.
+* ``w2``: the forum's 50-head model itself (shared input and per-head input); a single
+  ``GroupedLinear`` with a sharded input and a replicated output; float64; the checkpoint
+  loaded on 2 ranks; ``to_heads`` refused and ``gather_model``.
+* ``raise``: a rank raises while the other waits in a collective: the job must fail fast.
+
+The checkpoint is then loaded once more in this process, with no process group, into a plain
+``GroupedMLP`` (4 -> 2 -> 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+
+# How long a whole job may take before it counts as hung (measured: well under a minute each
+# on 2 busy cores); a hang fails the test instead of blocking CI.
+JOB_TIMEOUT_S = 300
+# A collective that waits longer than this raises in the worker (gloo's own timeout).
+COLLECTIVE_TIMEOUT_S = 120
+
+FORUM = {"in_features": 150, "hidden_features": [10, 10], "out_features": 1}
+STEPS = 50
+F32_OUT, F32_GRAD, F32_TRAIN, F64 = 1e-5, 1e-5, 1e-4, 1e-12
+
+
+def _available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available() and sys.platform.startswith("linux")
+
+
+pytestmark = pytest.mark.skipif(not _available(), reason="needs torch.distributed with gloo on Linux")
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _launch(job: str, world: int, tmp, timeout: float = JOB_TIMEOUT_S):
+    """Run ``job`` on ``world`` processes; (exit code, output, seconds, per-rank results)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), job, str(world), str(tmp)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job {job!r} on {world} processes hung for {timeout} s and was killed:\n{out[-6000:]}")
+    seconds = time.monotonic() - t0
+    results = []
+    for rank in range(world):
+        path = os.path.join(tmp, f"{job}-{rank}.json")
+        results.append(_read_json(path) if os.path.exists(path) else None)
+    return proc.returncode, out, seconds, results
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _run_ok(job: str, world: int, tmp):
+    rc, out, seconds, results = _launch(job, world, tmp)
+    assert rc == 0 and all(r is not None for r in results), f"job {job!r} failed (exit code {rc}):\n{out[-8000:]}"
+    print(f"job {job} on {world} processes: {seconds:.1f} s")
+    return results
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def w4(tmp):
+    return _run_ok("w4", 4, tmp)
+
+
+@pytest.fixture(scope="module")
+def w2(tmp, w4):  # loads w4's checkpoint
+    return _run_ok("w2", 2, tmp)
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_import_blockdiag_does_not_load_dtensor(tmp, w4):
+    # Measured in the launcher before it imports blockdiag.distributed.
+    info = _read_json(os.path.join(tmp, "launcher-w4.json"))
+    assert info["dtensor_after_import_blockdiag"] is False, info
+    assert info["lazy_attribute"] == "blockdiag.distributed", info
+
+
+@pytest.mark.parametrize("job", ["w2", "w4"])
+@pytest.mark.parametrize("case", ["forum_shared", "forum_per_head"])
+def test_outputs_gradients_and_adam_equal_one_process(request, job, case):
+    results = request.getfixturevalue(job)
+    for rank, r in enumerate(results):
+        c = r[case]
+        assert c["heads"] == (50 if job == "w2" else 52), c
+        assert c["out"] < F32_OUT and c["grad"] < F32_GRAD, (rank, c)
+        assert len(c["losses"]) == STEPS and c["loss"] < F32_TRAIN and c["params"] < F32_TRAIN, (rank, c)
+        # Rank-local: the stack itself communicates nothing; a replicated output is one all-gather.
+        assert c["comms"] == c["expected_comms"], (rank, c)
+        # Each rank holds 1/world of every layer's weight.
+        assert c["local_weight_numel"] * len(results) == c["weight_numel"], (rank, c)
+
+
+@pytest.mark.parametrize("job", ["w2", "w4"])
+def test_float64_exact(request, job):
+    for rank, r in enumerate(request.getfixturevalue(job)):
+        for name, err in r["float64"].items():
+            assert err < F64, (rank, name, err)
+        # Forward: the replicated output's all-gather; backward: the input gradient's
+        # all-reduce (shared input) or all-gather (per-head input); nothing else.
+        for name, (fwd, bwd) in r["float64_comms"].items():
+            assert fwd == 1 and bwd == 1, (rank, name, fwd, bwd)
+
+
+def test_backward_flags_key_the_sharding_cache(w2):
+    for rank, r in enumerate(w2):
+        assert r["backward_flags"] == [], (rank, r["backward_flags"])
+
+
+def test_grouped_linear_sharded_input_replicated_output(w2):
+    for rank, r in enumerate(w2):
+        c = r["linear"]
+        assert c["out"] < F64 and c["grad"] < F64 and c["placements"] == "(Shard(dim=0),)", (rank, c)
+
+
+def test_uneven_groups_refused_naming_groups_and_world(w4):
+    for rank, r in enumerate(w4):
+        msgs = r["uneven"]
+        assert "heads=50" in msgs["mlp"] and "4 ranks" in msgs["mlp"] and "52" in msgs["mlp"], msgs
+        assert "groups=6" in msgs["linear"] and "4 ranks" in msgs["linear"], msgs
+        assert "6 groups" in msgs["dtensor"] and "4 ranks" in msgs["dtensor"], msgs
+        assert "2-D mesh" in msgs["mesh"] and "gp" in msgs["mesh"], msgs
+
+
+def test_fsdp2_on_2d_mesh(w4):
+    for rank, r in enumerate(w4):
+        c = r["fsdp2"]
+        assert c["out"] < F32_OUT and c["grad"] < F32_GRAD, (rank, c)
+        assert c["loss"] < F32_TRAIN and c["params"] < F32_TRAIN and len(c["losses"]) == STEPS, (rank, c)
+        assert c["gathered"] < F32_TRAIN and c["gathered_plain"], (rank, c)
+
+
+def test_checkpoint_4_to_2_to_1(tmp, w4, w2):
+    import torch.distributed.checkpoint as dcp
+
+    import blockdiag
+
+    for rank, r in enumerate(w2):
+        assert r["checkpoint"]["state"] == 0.0 and r["checkpoint"]["out"] < F32_OUT, (rank, r["checkpoint"])
+    ref = torch.load(os.path.join(tmp, "ckpt-ref.pt"))
+    model = blockdiag.GroupedMLP(**FORUM, heads=52)
+    state = model.state_dict()
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"), no_dist=True)
+    model.load_state_dict(state)
+    assert state.keys() == ref.keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_to_heads_refused_then_gathered(w2):
+    for rank, r in enumerate(w2):
+        c = r["to_heads"]
+        assert "gather_model" in c["message"] and "DTensor" in c["message"], c
+        assert "'heads.0.0.weight' is a DTensor" in c["from_heads_message"], c
+        assert c["gathered"] < F32_OUT, c
+        assert "'layers.0.weight' is already a DTensor" in c["twice"], c
+
+
+def test_a_rank_that_raises_does_not_hang_the_others(tmp):
+    rc, out, seconds, _ = _launch("raise", 2, tmp, timeout=120)
+    assert rc != 0 and "rank 1 fails on purpose" in out, out[-4000:]
+    assert seconds < 60, f"the job took {seconds:.0f} s to fail"
+
+
+def test_arguments_refused_without_a_process_group():
+    from torch.distributed.tensor import Replicate, Shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    with pytest.raises(blockdiag.BlockDiagError, match=r"input_layouts must be Replicate\(\) or Shard\(-1\)"):
+        bdd.GroupParallel(input_layouts=Shard(0))
+    with pytest.raises(blockdiag.BlockDiagError, match="DeviceMesh"):
+        bdd.parallelize_groups(blockdiag.GroupedLinear(4, 4, 2), "not a mesh")
+    with pytest.raises(blockdiag.BlockDiagError, match="GroupedMLP or GroupedLinear"):
+        bdd.parallelize_groups(torch.nn.Linear(4, 4), "not a mesh")
+    assert repr(bdd.GroupParallel(output_layouts=Replicate())) == (
+        f"GroupParallel(input_layouts={Replicate()}, output_layouts={Replicate()}, use_local_output=True)"
+    )
+
+
+# ----------------------------------------------------------------------------- the workers
+#
+# Everything below runs in the job's processes, not in pytest's.
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _err(a, b) -> float:
+    return float((_full(a).detach().double() - _full(b).detach().double()).abs().max())
+
+
+def _comm_mode():
+    """Counts the collectives DTensor issues inside it (``get_total_counts()``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    return CommDebugMode()
+
+
+def _train_case(mesh, heads, shared, *, sharded_input=False, replicated_output=False, dtype=torch.float32, steps=STEPS):
+    """One model, single process against group parallel: outputs, gradients, then Adam."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    torch.manual_seed(0)
+    ref = blockdiag.GroupedMLP(**FORUM, heads=heads, shared_input=shared, dtype=dtype)
+    par = copy.deepcopy(ref)
+    bdd.parallelize_groups(
+        par, mesh,
+        input_layouts=Shard(-1) if sharded_input else Replicate(),
+        output_layouts=Replicate() if replicated_output else Shard(-1),
+    )
+    n = 64
+    x = torch.randn(n, FORUM["in_features"] * (1 if shared else heads), dtype=dtype)
+    target = torch.randn(n, heads, dtype=dtype)
+    mine = bdd.local_groups(heads, mesh)
+    cols = slice(mine.start, mine.stop)
+    x_in = x[:, mine.start * FORUM["in_features"]:mine.stop * FORUM["in_features"]] if sharded_input else x
+    scale = n * heads  # the loss: mean squared error over every head's output
+
+    def par_loss():
+        y = par(x_in)
+        if replicated_output:
+            return y, (y - target).pow(2).sum() / scale
+        return y, (y - target[:, cols]).pow(2).sum() / scale  # this rank's heads' share
+
+    def ref_loss():
+        y = ref(x)
+        return y, (y - target).pow(2).sum() / scale
+
+    out = {"heads": heads}
+    y_ref, l_ref = ref_loss()
+    l_ref.backward()
+    with _comm_mode() as mode:
+        y, loss = par_loss()
+        loss.backward()
+    out["comms"] = mode.get_total_counts()
+    out["expected_comms"] = 1 if replicated_output else 0
+    out["out"] = _err(y, y_ref if replicated_output else y_ref[:, cols])
+    out["grad"] = max(_err(p.grad, q.grad) for p, q in zip(par.parameters(), ref.parameters()))
+    w = par.layers[-1].weight
+    out["local_weight_numel"], out["weight_numel"] = w.to_local().numel(), w.numel()
+
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_par = torch.optim.Adam(par.parameters(), lr=1e-2)
+    losses, loss_err = [], 0.0
+    for _ in range(steps):
+        opt_ref.step(), opt_par.step()
+        opt_ref.zero_grad(), opt_par.zero_grad()
+        _, l_ref = ref_loss()
+        _, l_par = par_loss()
+        l_ref.backward(), l_par.backward()
+        total = l_par.detach().clone()
+        if not replicated_output:
+            dist.all_reduce(total)  # the per-rank shares of the loss, for the record
+        losses.append(total.item())
+        loss_err = max(loss_err, abs(total.item() - l_ref.item()))
+    out["losses"], out["loss"] = losses, loss_err
+    out["params"] = max(_err(p, q) for p, q in zip(par.parameters(), ref.parameters()))
+    return out, ref, par
+
+
+def _float64_cases(mesh, world):
+    """Outputs and gradients in float64, to 1e-12, for models where the flags matter too."""
+    import copy
+
+    from torch.distributed.tensor import Replicate
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    errs, comms = {}, {}
+    for shared in (True, False):
+        # Equal layer shapes: the backward op of the first layer (input needs no gradient)
+        # and of the others (it does) differ only in their flags, which must key the cache.
+        for hidden in ([6, 6], []):
+            torch.manual_seed(1)
+            heads = 2 * world
+            ref = blockdiag.GroupedMLP(6, hidden, 6, heads=heads, shared_input=shared, dtype=torch.float64)
+            par = bdd.parallelize_groups(copy.deepcopy(ref), mesh, output_layouts=Replicate())
+            # A 3-D input that needs its gradient too (an all-reduce or all-gather in backward).
+            x = torch.randn(3, 5, 6 * (1 if shared else heads), dtype=torch.float64)
+            xp, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+            key = f"{'shared' if shared else 'per_head'}-{len(hidden)}hidden"
+            with _comm_mode() as fwd:
+                y = par(xp)
+            with _comm_mode() as bwd:
+                (y * torch.arange(y.shape[-1], dtype=y.dtype)).sum().backward()
+            yr = ref(xr)
+            (yr * torch.arange(yr.shape[-1], dtype=yr.dtype)).sum().backward()
+            # The output's all-gather; the input gradient's all-reduce (shared) or all-gather.
+            comms[key] = [fwd.get_total_counts(), bwd.get_total_counts()]
+            errs[key + "-out"] = _err(y, yr)
+            errs[key + "-grad"] = max(_err(p.grad, q.grad) for p, q in zip(par.parameters(), ref.parameters()))
+            errs[key + "-input_grad"] = _err(xp.grad, xr.grad)
+            with torch.no_grad():  # auto's train flag false
+                errs[key + "-no_grad"] = _err(par(x), ref(x))
+    return errs, comms
+
+
+def _uneven(mesh, mesh2, world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    msgs = {}
+    for key, fn in (
+        ("mlp", lambda: bdd.parallelize_groups(blockdiag.GroupedMLP(**FORUM, heads=50), mesh)),
+        ("linear", lambda: bdd.parallelize_groups(blockdiag.GroupedLinear(12, 6, 6), mesh)),
+    ):
+        try:
+            fn()
+            msgs[key] = "not refused"
+        except blockdiag.BlockDiagError as e:
+            msgs[key] = str(e)
+    # A weight sharded by hand over ranks that do not divide its groups: the rule refuses it.
+    layer = blockdiag.GroupedLinear(12, 6, 6)
+    layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+    layer.bias = torch.nn.Parameter(distribute_tensor(layer.bias.detach(), mesh, [Shard(0)]))
+    try:
+        layer(distribute_tensor(torch.randn(3, 12), mesh, [Replicate()]))
+        msgs["dtensor"] = "not refused"
+    except bdd.UnevenGroupsError as e:  # a BlockDiagError, not wrapped by DTensor's dispatcher
+        msgs["dtensor"] = str(e)
+    try:
+        bdd.parallelize_groups(blockdiag.GroupedMLP(**FORUM, heads=52), mesh2)
+        msgs["mesh"] = "not refused"
+    except blockdiag.BlockDiagError as e:
+        msgs["mesh"] = str(e)
+    return msgs
+
+
+def _fsdp2(mesh):
+    """FSDP2 on "dp" and group parallelism on "gp" of a 2-D mesh, against one process."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    dp = mesh["dp"].size()
+    heads, n = 50, 64
+    torch.manual_seed(0)
+    ref = blockdiag.GroupedMLP(**FORUM, heads=heads)
+    par = copy.deepcopy(ref)
+    bdd.parallelize_groups(par, mesh["gp"])
+    fully_shard(par, mesh=mesh["dp"])
+    x, target = torch.randn(n, FORUM["in_features"]), torch.randn(n, heads)
+    d = mesh["dp"].get_local_rank()
+    rows = slice(d * n // dp, (d + 1) * n // dp)
+    mine = bdd.local_groups(heads, mesh["gp"])
+    cols = slice(mine.start, mine.stop)
+
+    def par_loss():
+        y = par(x[rows])
+        # FSDP2 averages the gradients over "dp": each dp rank's share, times dp.
+        return y, (y - target[rows, cols]).pow(2).sum() * dp / (n * heads)
+
+    def ref_loss():
+        y = ref(x)
+        return y, (y - target).pow(2).sum() / (n * heads)
+
+    out = {}
+    y, l_par = par_loss()
+    y_ref, l_ref = ref_loss()
+    l_par.backward(), l_ref.backward()
+    out["out"] = _err(y, y_ref[rows, cols])
+    out["grad"] = max(_err(p.grad, q.grad) for p, q in zip(par.parameters(), ref.parameters()))
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_par = torch.optim.Adam(par.parameters(), lr=1e-2)
+    losses, loss_err = [], 0.0
+    for _ in range(STEPS):
+        opt_ref.step(), opt_par.step()
+        opt_ref.zero_grad(), opt_par.zero_grad()
+        _, l_ref = ref_loss()
+        _, l_par = par_loss()
+        l_ref.backward(), l_par.backward()
+        total = l_par.detach().clone() / dp
+        dist.all_reduce(total)
+        losses.append(total.item())
+        loss_err = max(loss_err, abs(total.item() - l_ref.item()))
+    out["losses"], out["loss"] = losses, loss_err
+    out["params"] = max(_err(p, q) for p, q in zip(par.parameters(), ref.parameters()))
+    plain = bdd.gather_model(par)
+    out["gathered"] = max(_err(p, q) for p, q in zip(plain.parameters(), ref.parameters()))
+    out["gathered_plain"] = all(type(p) is torch.nn.Parameter for p in plain.parameters())
+    return out
+
+
+def _linear_case(mesh, world):
+    """parallelize_module with GroupParallel on one GroupedLinear: sharded input, replicated output, no bias."""
+    import copy
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    torch.manual_seed(2)
+    g, i, o = 2 * world, 3, 4
+    ref = blockdiag.GroupedLinear(g * i, g * o, g, bias=False, backend="bmm", dtype=torch.float64)
+    par = parallelize_module(copy.deepcopy(ref), mesh, bdd.GroupParallel(input_layouts=Shard(-1), output_layouts=Replicate()))
+    x = torch.randn(2, 5, g * i, dtype=torch.float64, requires_grad=True)
+    mine = bdd.local_groups(g, mesh)
+    x_local = x.detach()[..., mine.start * i:mine.stop * i].requires_grad_()
+    y, yr = par(x_local), ref(x)
+    y.pow(2).sum().backward(), yr.pow(2).sum().backward()
+    return {
+        "out": _err(y, yr),
+        "grad": max(_err(par.weight.grad, ref.weight.grad), _err(x_local.grad, x.grad[..., mine.start * i:mine.stop * i])),
+        "placements": str(par.weight.placements),
+    }
+
+
+def _backward_flags(mesh, world):
+    """A backward op called with the same operands and other flags: the flags key DTensor's cache.
+
+    (``register_sharding`` leaves bool arguments out of the key, so the second call would get the
+    first call's output shapes.) Returns the calls whose global shapes are wrong.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g, i, o, n = 2 * world, 3, 3, 5
+    w = distribute_tensor(torch.randn(g, o, i), mesh, [Shard(0)])
+    x = distribute_tensor(torch.randn(n, g * i), mesh, [Replicate()])
+    gy = distribute_tensor(torch.randn(n, g * o), mesh, [Replicate()])
+    wrong = []
+    for has_bias, need_x, need_w in ((True, False, True), (True, True, True), (False, True, False)):
+        got = [tuple(t.shape) for t in torch.ops.blockdiag.bmm_backward.default(gy, x, w, has_bias, need_x, need_w)]
+        want = [(n, g * i) if need_x else (0,), (g, o, i) if need_w else (0,), (g * o,) if has_bias else (0,)]
+        if got != want:
+            wrong.append([has_bias, need_x, need_w, got])
+    return wrong
+
+
+def _job_w4(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag import distributed as bdd
+
+    mesh = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "gp"))
+    res = {"uneven": _uneven(mesh, mesh2, world)}
+    res["forum_shared"], _, par = _train_case(mesh, 52, True)
+    # The trained model's checkpoint, for the 2-rank job and for one process.
+    dcp.save(par.state_dict(), checkpoint_id=os.path.join(tmp, "ckpt"))
+    full = bdd.gather_model(par).state_dict()
+    if rank == 0:
+        torch.save(full, os.path.join(tmp, "ckpt-ref.pt"))
+    res["forum_per_head"], _, _ = _train_case(mesh, 52, False, replicated_output=True)
+    res["float64"], res["float64_comms"] = _float64_cases(mesh, world)
+    res["fsdp2"] = _fsdp2(mesh2)
+    return res
+
+
+def _job_w2(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    mesh = init_device_mesh("cpu", (world,))
+    res = {}
+    res["forum_shared"], _, par = _train_case(mesh, 50, True)
+    # to_heads / from_heads on a group-parallel model: refused, pointing at gather_model.
+    c = {}
+    try:
+        par.to_heads()
+        c["message"] = ""
+    except blockdiag.BlockDiagError as e:
+        c["message"] = str(e)
+    try:  # heads whose Linear layers are DTensors (tensor parallel)
+        head = torch.nn.Sequential(parallelize_module(torch.nn.Linear(4, 2), mesh, ColwiseParallel()))
+        blockdiag.GroupedMLP.from_heads([head, head])
+        c["from_heads_message"] = ""
+    except blockdiag.BlockDiagError as e:
+        c["from_heads_message"] = str(e)
+    try:
+        bdd.parallelize_groups(par, mesh)
+        c["twice"] = ""
+    except blockdiag.BlockDiagError as e:
+        c["twice"] = str(e)
+    heads = bdd.gather_model(par).to_heads()
+    x = torch.randn(4, FORUM["in_features"])
+    mine = bdd.local_groups(50, mesh)
+    c["gathered"] = _err(torch.cat([h(x) for h in heads[mine.start:mine.stop]], -1), par(x))
+    res["to_heads"] = c
+    res["forum_per_head"], _, _ = _train_case(mesh, 50, False, sharded_input=True, replicated_output=True)
+    res["float64"], res["float64_comms"] = _float64_cases(mesh, world)
+    res["linear"] = _linear_case(mesh, world)
+    res["backward_flags"] = _backward_flags(mesh, world)
+    # The 4-rank checkpoint, resharded onto 2 ranks.
+    model = blockdiag.GroupedMLP(**FORUM, heads=52)
+    bdd.parallelize_groups(model, mesh, output_layouts=Replicate())
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+    model.load_state_dict(state)
+    saved = torch.load(os.path.join(tmp, "ckpt-ref.pt"))
+    gathered = bdd.gather_model(model).state_dict()
+    plain = blockdiag.GroupedMLP(**FORUM, heads=52)
+    plain.load_state_dict(saved)
+    x = torch.randn(8, FORUM["in_features"])
+    res["checkpoint"] = {
+        "state": max(_err(gathered[k], v) for k, v in saved.items()),
+        "out": _err(model(x), plain(x)),
+    }
+    return res
+
+
+def _job_raise(rank, world, tmp):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()  # never completes: rank 1 is gone
+    return {}
+
+
+JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise}
+
+
+def _worker(rank, job, world, tmp):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, init_method=f"file://{os.path.join(tmp, job + '-store')}",
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        res = JOBS[job](rank, world, tmp)
+        dist.barrier()
+    except BaseException:
+        # Every failing rank's own traceback (the launcher reports only the first to exit,
+        # which may be a rank whose peer vanished).
+        sys.stderr.write(f"rank {rank} of job {job} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        raise
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"{job}-{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _main(job: str, world: int, tmp: str) -> None:
+    import torch.multiprocessing as mp
+
+    if job != "raise":
+        import blockdiag
+
+        info = {"dtensor_after_import_blockdiag": "torch.distributed.tensor" in sys.modules}
+        info["lazy_attribute"] = blockdiag.distributed.__name__
+        # Everything the workers use, imported once here: they are forked from this process.
+        import torch.distributed.checkpoint
+        import torch.distributed.fsdp
+        import torch.distributed.tensor.debug  # noqa: F401
+
+        with open(os.path.join(tmp, f"launcher-{job}.json"), "w") as f:
+            json.dump(info, f)
+    mp.start_processes(_worker, args=(job, world, tmp), nprocs=world, start_method="fork")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

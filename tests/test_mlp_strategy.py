@@ -1,0 +1,494 @@
+"""``GroupedMLP``'s strategies: the layers run as modules (hooks, pruning, parametrizations), the
+fused feature-major chain only where nothing observes the layers and the table says it is faster.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize, prune
+
+import blockdiag
+from blockdiag import BlockDiagError, GroupedMLP
+from blockdiag.dispatch import Candidate, Plan
+from blockdiag.nn import mlp as mlp_mod
+from blockdiag.nn.linear import GroupedLinear
+
+F64 = dict(rtol=1e-12, atol=1e-12)
+
+
+def _model(strategy="auto", backend="auto", shared=True, bias=True, hidden=(5, 4), heads=3, dtype=torch.float64):
+    torch.manual_seed(0)
+    return GroupedMLP(6, list(hidden), 2, heads=heads, bias=bias, shared_input=shared, backend=backend,
+                      strategy=strategy, dtype=dtype)
+
+
+def _x(model, *lead, requires_grad=False):
+    n_in = model.in_features * (1 if model.shared_input else model.heads)
+    return torch.randn(*lead, n_in, dtype=model.layers[0].weight.dtype, requires_grad=requires_grad)
+
+
+@pytest.fixture
+def chain_spy(monkeypatch):
+    """Counts the calls of the fused chain."""
+    calls = []
+    inner = GroupedMLP._forward_feature_major
+
+    def spy(self, x):
+        calls.append(x.shape)
+        return inner(self, x)
+
+    monkeypatch.setattr(GroupedMLP, "_forward_feature_major", spy)
+    return calls
+
+
+@pytest.fixture
+def table_prefers_chain(monkeypatch):
+    """The measured table says the chain is faster (whatever the machine's table says)."""
+    def choice(self, x):
+        return True, "test: chain measured faster", 1.0, 2.0, self._layer_plans(x)
+
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
+
+
+# ---------------------------------------------------------------- the layers are called
+
+
+@pytest.mark.parametrize("backend", ["auto", "bmm"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_layer_hooks_fire_forward_and_backward(backend, k, table_prefers_chain):
+    model = _model(backend=backend)
+    seen = []
+    layer = model.layers[k]
+    handles = [
+        layer.register_forward_pre_hook(lambda m, args: seen.append("pre")),
+        layer.register_forward_hook(lambda m, args, out: seen.append(("fwd", tuple(out.shape)))),
+        layer.register_full_backward_hook(lambda m, gin, gout: seen.append(("bwd", tuple(gout[0].shape)))),
+    ]
+    x = _x(model, 7, requires_grad=True)
+    y = model(x)
+    out = model.layers[k].out_features
+    assert seen == ["pre", ("fwd", (7, out))]
+    y.sum().backward()
+    assert seen[-1] == ("bwd", (7, out))
+    assert model.plan(x).strategy == "layers"
+    # Forcing the chain would skip the hooks: refused, with the reason.
+    model.strategy = "fm_chain"
+    with pytest.raises(BlockDiagError, match=rf"strategy='fm_chain' cannot run: layers\[{k}\] has forward or backward hooks"):
+        model(x)
+    for h in handles:
+        h.remove()
+    # Without the hooks the chain runs again (the check is made on every call, not cached).
+    assert model(x).shape == y.shape
+
+
+def test_hook_added_after_the_chain_was_chosen_takes_effect_at_once(chain_spy, table_prefers_chain):
+    model = _model()
+    x = _x(model, 4)
+    model(x)
+    assert len(chain_spy) == 1  # chosen, and the decision is now cached
+    seen = []
+    h = model.layers[1].register_forward_hook(lambda *a: seen.append(1))
+    model(x)
+    assert seen == [1] and len(chain_spy) == 1
+    h.remove()
+    model(x)
+    assert len(chain_spy) == 2
+
+
+def _train_step_against_heads(model, x, target):
+    """One step: the model's gradients (through the pruning) equal the loop of heads'."""
+    y = model(x)
+    heads = model.to_heads()  # the effective weights (prune recomputes them in the forward), as plain heads
+    yr = torch.cat([h(x) for h in heads], -1)
+    torch.testing.assert_close(y, yr, **F64)
+    ((y - target) ** 2).mean().backward()
+    ((yr - target) ** 2).mean().backward()
+    return heads
+
+
+@pytest.mark.parametrize("backend", ["auto", "bmm"])
+def test_pruned_layer_trains_with_the_heads_gradients(backend):
+    model = _model(backend=backend)
+    prune.l1_unstructured(model.layers[1], "weight", amount=0.4)
+    layer = model.layers[1]
+    mask = layer.weight_mask
+    assert 0 < int((mask == 0).sum()) < mask.numel()
+    x, target = _x(model, 8), torch.randn(8, model.heads * model.out_features, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):  # the old chain failed on the second step: "backward through the graph a second time"
+        opt.zero_grad()
+        heads = _train_step_against_heads(model, x, target)
+        g, o, i = layer.weight.shape
+        ref = torch.stack([h[2].weight.grad for h in heads]).reshape(g, o, i)
+        torch.testing.assert_close(layer.weight_orig.grad, ref * mask, **F64)
+        for k in (0, 2):
+            lk = model.layers[k]
+            ref_w = torch.stack([h[2 * k].weight.grad for h in heads]).reshape(lk.weight.shape)
+            torch.testing.assert_close(lk.weight.grad, ref_w, **F64)
+            torch.testing.assert_close(lk.bias.grad, torch.cat([h[2 * k].bias.grad for h in heads]), **F64)
+        opt.step()
+    assert torch.all(layer.weight[mask == 0] == 0)
+
+
+def test_old_weight_norm_trains():
+    model = _model(dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the old weight_norm
+        torch.nn.utils.weight_norm(model.layers[0], dim=0)
+    x, target = _x(model, 16), torch.randn(16, model.heads * model.out_features)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = ((model(x) - target) ** 2).mean()
+        loss.backward()
+        assert model.layers[0].weight_g.grad is not None and model.layers[0].weight_v.grad is not None
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert model.plan(x).strategy == "layers"
+
+
+def test_parametrized_layer_runs_its_parametrization(chain_spy, table_prefers_chain):
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = _model()
+    x = _x(model, 5)
+    want = model(x)
+    parametrize.register_parametrization(model.layers[2], "weight", Double())
+    got = model(x)
+    assert len(chain_spy) == 1  # only the first call ran the chain
+    b = model.layers[2].bias
+    torch.testing.assert_close(got, 2 * (want - b) + b, **F64)
+
+
+# ---------------------------------------------------------------- the two strategies agree
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "split"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("hidden", [(5, 4), (), (3,)], ids=["2hidden", "nohidden", "1hidden"])
+def test_fm_chain_and_layers_agree(shared, bias, hidden, chain_spy):
+    a = _model("fm_chain", shared=shared, bias=bias, hidden=hidden)
+    b = _model("layers", shared=shared, bias=bias, hidden=hidden)
+    b.load_state_dict(a.state_dict())
+    x = _x(a, 2, 7)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = a(xa), b(xb)
+    assert len(chain_spy) == 1
+    torch.testing.assert_close(ya, yb, **F64)
+    r = torch.randn_like(ya)
+    (ya * r).sum().backward()
+    (yb * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, **F64)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, **F64)
+
+
+def test_fm_chain_runs_an_empty_batch_and_refuses_a_mismatched_input():
+    model = _model("fm_chain")
+    x = _x(model, 0, requires_grad=True)
+    y = model(x)
+    assert y.shape == (0, 6)
+    y.sum().backward()
+    assert x.grad.shape == (0, 6)
+    with pytest.raises(BlockDiagError, match=r"strategy='fm_chain' cannot run: layers\[0\]\.weight is torch.float64 on cpu but the input is torch.float32"):
+        model(torch.randn(3, 6))
+
+
+def test_strategy_setting():
+    model = _model()
+    assert model.strategy == "auto" and "strategy='auto'" in repr(model)
+    model.strategy = "layers"
+    assert model.strategy == "layers"
+    with pytest.raises(BlockDiagError, match=r"GroupedMLP.strategy: unknown strategy 'fast'; valid strategies are 'auto', 'layers', 'fm_chain'"):
+        model.strategy = "fast"
+    with pytest.raises(BlockDiagError, match="unknown strategy"):
+        GroupedMLP(4, 3, 2, heads=2, strategy="bmm")
+    heads = model.to_heads()
+    assert GroupedMLP.from_heads(heads, strategy="fm_chain").strategy == "fm_chain"
+
+
+# ---------------------------------------------------------------- auto: allowed, then measured
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _blockers():
+    """(id, how to set the model and input up) for every case where auto must run the layers."""
+
+    def hook(kind, k):
+        def setup(model, x):
+            layer = model.layers[k]
+            {
+                "fwd": lambda: layer.register_forward_hook(lambda *a: None),
+                "pre": lambda: layer.register_forward_pre_hook(lambda *a: None),
+                "bwd": lambda: layer.register_full_backward_hook(lambda *a: None),
+                "bwd_pre": lambda: layer.register_full_backward_pre_hook(lambda *a: None),
+                "act": lambda: model.activations[0].register_forward_hook(lambda *a: None),
+            }[kind]()
+            return x
+
+        return setup
+
+    def prune_(model, x):
+        prune.random_unstructured(model.layers[1], "weight", amount=0.5)
+        return x
+
+    def param_(model, x):
+        parametrize.register_parametrization(model.layers[0], "weight", nn.Identity())
+        return x
+
+    def subclass(model, x):
+        model.layers[2].weight = nn.Parameter(model.layers[2].weight.detach().as_subclass(_Sub))
+        return x
+
+    def backend(model, x):
+        model.layers[1].backend = "bmm"
+        return x
+
+    return [
+        pytest.param(hook("fwd", 0), id="forward-hook"),
+        pytest.param(hook("pre", 2), id="forward-pre-hook"),
+        pytest.param(hook("bwd", 1), id="backward-hook"),
+        pytest.param(hook("bwd_pre", 0), id="backward-pre-hook"),
+        pytest.param(hook("act", 0), id="activation-hook"),
+        pytest.param(prune_, id="pruned"),
+        pytest.param(param_, id="parametrized"),
+        pytest.param(subclass, id="tensor-subclass-parameter"),
+        pytest.param(backend, id="a-named-backend"),
+        pytest.param(lambda model, x: x.float(), id="input-dtype"),
+        pytest.param(lambda model, x: x[:0], id="empty-batch"),
+    ]
+
+
+def test_auto_runs_the_chain_when_allowed_and_measured_faster(chain_spy, table_prefers_chain):
+    model = _model()
+    x = _x(model, 4)
+    assert model.plan(x).strategy == "fm_chain"
+    model(x)
+    assert len(chain_spy) == 1
+
+
+@pytest.mark.parametrize("setup", _blockers())
+def test_auto_runs_the_layers_where_the_chain_is_not_allowed(setup, chain_spy, table_prefers_chain):
+    model = _model()
+    x = setup(model, _x(model, 4))
+    plan_ok = True
+    try:
+        plan = model.plan(x)
+    except BlockDiagError:  # the mismatched input: the layers path says what is wrong
+        plan_ok = False
+    if plan_ok:
+        assert plan.strategy == "layers" and plan.reason.startswith("the chain is not allowed here")
+        model(x)
+    else:
+        with pytest.raises(BlockDiagError, match="dtype"):
+            model(x)
+    assert chain_spy == []
+
+
+def test_auto_runs_the_layers_under_a_global_hook_autocast_and_torch_func(chain_spy, table_prefers_chain):
+    model = _model(dtype=torch.float32)
+    x = _x(model, 4)
+    h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert "global module hook" in model.plan(x).reason
+        model(x)
+    finally:
+        h.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "autocast" in model.plan(x).reason
+        assert model(x).dtype == torch.bfloat16
+    params = dict(model.named_parameters())
+    torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+    assert chain_spy == []
+    model(x)
+    assert len(chain_spy) == 1
+
+
+def test_forward_ad_and_the_chain_agree():
+    # forward AD: the layers route through blockdiag's ops; the chain through torch's.
+    import torch.autograd.forward_ad as fwad
+
+    a, b = _model("fm_chain"), _model("layers")
+    x, t = _x(a, 3), _x(a, 3)
+    outs = []
+    for m in (a, b):
+        with fwad.dual_level():
+            outs.append(fwad.unpack_dual(m(fwad.make_dual(x, t))).tangent)
+    torch.testing.assert_close(outs[0], outs[1], **F64)
+
+
+def _fake_plans(monkeypatch, own_us, fm_us, fm_ok=True):
+    """Each layer's plan says: its backend ('bmm') takes own_us[k], bmm_fm takes fm_us[k]."""
+    calls = iter(range(10**6))
+
+    def plan(self, x):
+        k = next(calls) % len(own_us)
+        prob = blockdiag.Problem(8, self.groups, self.block_in, self.block_out)
+        cands = (Candidate("bmm", True, own_us[k], "chosen"), Candidate("bmm_fm", fm_ok, fm_us[k], "test"))
+        return Plan("bmm", prob, "test", "test table", cands)
+
+    monkeypatch.setattr(GroupedLinear, "plan", plan)
+
+
+@pytest.mark.parametrize(
+    "own, fm, ok, want, says",
+    [
+        ([10.0, 5.0, 1.0], [9.0, 5.0, 1.0], True, "fm_chain", "sum to 0.94x the layers'"),
+        ([10.0, 5.0, 1.0], [10.0, 5.0, 1.0], True, "fm_chain", "sum to 1.00x the layers'"),  # a tie: the chain
+        # Within CHAIN_ADVANTAGE (1.1): the chain's savings are in no table, so it is credited them.
+        ([10.0, 5.0, 1.0], [11.0, 5.0, 1.0], True, "fm_chain", "sum to 1.06x the layers'"),
+        ([10.0, 5.0, 1.0], [12.0, 5.0, 1.0], True, "layers", "measured 1.12x faster than fm_chain"),
+        ([10.0, 5.0, 1.0], [9.0, None, 1.0], True, "layers", "no estimate for fm_chain"),
+        ([10.0, None, 1.0], [9.0, 5.0, 1.0], True, "layers", "no estimate for layers"),
+        ([10.0, 5.0, 1.0], [1.0, 1.0, 1.0], False, "layers", "no estimate for fm_chain"),  # bmm_fm declines
+    ],
+)
+def test_auto_follows_the_measured_sums(monkeypatch, chain_spy, own, fm, ok, want, says):
+    _fake_plans(monkeypatch, own, fm, ok)
+    model = _model()
+    x = _x(model, 4)
+    plan = model.plan(x)
+    assert plan.strategy == want and says in plan.reason
+    assert plan.chain_us == (None if None in fm or not ok else sum(fm))
+    model(x)
+    assert len(chain_spy) == (want == "fm_chain")
+
+
+def test_the_decision_is_cached_per_shape_and_settings(monkeypatch):
+    model = _model()
+    asked = []
+    inner = GroupedMLP._measured_choice
+
+    def counting(self, x):
+        asked.append(tuple(x.shape))
+        return inner(self, x)
+
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", counting)
+    x = _x(model, 4)
+    for _ in range(3):
+        model(x)
+    assert asked == [(4, 6)]
+    model(_x(model, 5))
+    with torch.no_grad():  # another grad mode: another decision
+        model(x)
+    assert asked == [(4, 6), (5, 6), (4, 6)]
+    with blockdiag.config(dense_max_groups=3):  # other chooser settings: decided again
+        model(x)
+    assert len(asked) == 4
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_explains_itself():
+    model = _model()
+    x = _x(model, 64)
+    plan = model.plan(x)
+    text = str(plan)
+    assert plan.strategy in ("fm_chain", "layers") and plan.requested == "auto"
+    assert f"runs:    {plan.strategy}" in text and plan.reason in text
+    assert "estimates from the measured table: fm_chain" in text
+    assert len(plan.layers) == 3 and all(isinstance(p, Plan) for p in plan.layers)
+    for k in range(3):
+        assert f"layers[{k}]" in text
+    assert text.count("Plan for batch=64") == 3
+    assert plan.layers[1].problem.groups == 3 and plan.layers[0].problem.groups == 1
+    assert plan.layers[0].problem.requires_grad  # the parameters require grad
+    with torch.no_grad():
+        assert not model.plan(x).layers[2].problem.requires_grad
+    model.strategy = "layers"
+    assert model.plan(x).reason == "fixed by the user (strategy='layers')"
+    model.strategy = "fm_chain"
+    p = model.plan(x)
+    assert p.strategy == "fm_chain" and "not used: the chain runs instead" in str(p)
+    model.layers[0].register_forward_hook(lambda *a: None)
+    with pytest.raises(BlockDiagError, match=r"GroupedMLP.plan: strategy='fm_chain' cannot run: layers\[0\] has forward"):
+        model.plan(x)
+    with pytest.raises(BlockDiagError, match=r"last dimension must be 6"):
+        model.plan(torch.randn(3, 5))
+
+
+# ---------------------------------------------------------------- activations (issue 22, item 9)
+
+
+def test_a_subclass_of_a_torch_nn_module_that_is_not_elementwise_is_refused():
+    class MySoftmax(nn.Softmax):
+        pass
+
+    class MyDropout2d(nn.Dropout2d):
+        pass
+
+    for cls, base in ((MySoftmax, "Softmax"), (MyDropout2d, "Dropout2d")):
+        heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), cls(dim=-1) if cls is MySoftmax else cls(), nn.Linear(3, 2))
+                              for _ in range(3))
+        with pytest.raises(BlockDiagError, match=rf"heads\[0\]\[1\] is {cls.__name__}.*not element-wise \(it derives from torch.nn.{base}\)"):
+            GroupedMLP.from_heads(heads)
+        with pytest.raises(BlockDiagError, match=rf"activation\(\) after hidden layer 0 is {cls.__name__}.*derives from torch.nn.{base}"):
+            GroupedMLP(6, 3, 2, heads=3, activation=cls)
+
+
+def test_a_subclass_of_an_elementwise_module_is_accepted():
+    class MyReLU(nn.ReLU):
+        pass
+
+    class MyReLU6(nn.ReLU6):  # ReLU6 derives from Hardtanh, also element-wise
+        pass
+
+    for cls in (MyReLU, MyReLU6):
+        heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), cls(), nn.Linear(3, 2)) for _ in range(3)).double()
+        x = torch.randn(5, 6, dtype=torch.float64)
+        torch.testing.assert_close(GroupedMLP.from_heads(heads)(x), torch.cat([h(x) for h in heads], -1))
+    assert mlp_mod._not_elementwise_base(nn.Dropout()) is None
+
+
+# ---------------------------------------------------------------- FSDP2, one shard per layer
+
+_FSDP_SCRIPT = r"""
+import copy, sys, warnings
+import torch, torch.distributed as dist
+import blockdiag
+warnings.simplefilter("ignore", UserWarning)  # FSDP2's note on view outputs
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+ref = blockdiag.GroupedMLP(6, [5, 4], 2, heads=3, dtype=torch.float64)
+model = copy.deepcopy(ref)
+for layer in model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+x = torch.randn(7, 6, dtype=torch.float64)
+y, yr = model(x), ref(x)
+torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+y.sum().backward()
+yr.sum().backward()
+for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-12, atol=1e-12, msg=name)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_fsdp2_fully_shard_per_layer(tmp_path):
+    import subprocess
+    import sys
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    script = tmp_path / "fsdp2.py"
+    script.write_text(_FSDP_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]

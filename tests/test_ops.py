@@ -1,0 +1,343 @@
+"""Every backend as a registered operator (issue 21): ``torch.ops.blockdiag.<name>[_backward]``.
+
+For every registered backend that runs on CPU here, and for ``auto``:
+
+* ``torch.library.opcheck`` (schema, fake kernel, autograd registration, and on a subset of
+  cases AOT dispatch with dynamic shapes: see ``AOT_CASES``) on the forward op over dtype x
+  grad mode x bias, and on the backward op;
+  the ops' values against the float64 reference, gradients not asked for as empty tensors;
+* ``FlopCounterMode`` counts ``2*N*G*in*out`` per product (forward, and each gradient product
+  of the backward);
+* ``torch.profiler`` names the forward (and, in training, the backward) ``blockdiag::<name>``;
+* meta tensors and ``FakeTensorMode``: right shape, dtype and device, without touching data;
+* forward-mode AD: the tangent is the grouped product of the tangents, never ``None``, with
+  frozen parameters, under ``no_grad`` and with parameter tangents;
+* ``gradcheck`` (fast mode) in float64 with forward AD and batched gradients; ``gradgradcheck`` passes
+  where the backend declares ``double_grad`` and raises :class:`BlockDiagError` elsewhere.
+
+A backend unavailable here (``simd`` without AVX-512, ``torch_sparse`` not installed,
+``grouped_mm`` without a recent CUDA GPU) is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.autograd import forward_ad as fwAD
+from torch.utils.flop_counter import FlopCounterMode
+
+import blockdiag
+from blockdiag import BlockDiagError, grouped_linear
+from blockdiag.backends import get
+from blockdiag.testing import reference_loop, tolerances
+
+from _params import DTYPES, backends_and_auto, require_backend
+
+ops = pytest.importorskip("blockdiag.ops", reason="blockdiag.ops (issue 21) is not there yet")
+
+ALL = backends_and_auto()
+GRAD = [pytest.param(False, id="nograd"), pytest.param(True, id="grad")]
+BIAS = [pytest.param(False, id="nobias"), pytest.param(True, id="bias")]
+
+# (N, G, block_in, block_out): every extent distinct from the others, so that a dynamic N in
+# the AOT check cannot be confused with a feature size.
+SHAPE = (5, 3, 4, 2)
+WIDE = (9, 2, 3, 5)
+
+
+def _operands(shape=SHAPE, dtype=torch.float32, grad=False, bias=True, device="cpu"):
+    n, g, i, o = shape
+    x = torch.randn(n, g * i, dtype=dtype, device=device, requires_grad=grad)
+    w = torch.randn(g, o, i, dtype=dtype, device=device, requires_grad=grad)
+    b = torch.randn(g * o, dtype=dtype, device=device, requires_grad=grad) if bias else None
+    return x, w, b
+
+
+def _f64(t):
+    return None if t is None else t.detach().double()
+
+
+def _fwd_args(name, x, w, b, train):
+    return (x, w, b, train) if name == "auto" else (x, w, b)
+
+
+def _ref_grads(x, w, b, gy):
+    """Reference output and gradients of ``(y * gy).sum()`` in float64."""
+    x64, w64 = _f64(x).requires_grad_(), _f64(w).requires_grad_()
+    b64 = None if b is None else _f64(b).requires_grad_()
+    y = reference_loop(x64, w64, b64)
+    ins = [t for t in (x64, w64, b64) if t is not None]
+    grads = torch.autograd.grad((y * gy.double()).sum(), ins)
+    gx, gw = grads[:2]
+    gb = grads[2] if b is not None else None
+    return y.detach(), gx, gw, gb
+
+
+def _close(actual, expected, dtype, k=4, what=""):
+    expected = expected.to(actual.dtype)
+    tol = tolerances(dtype, k, magnitude=float(expected.abs().max()) if expected.numel() else 1.0)
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------- the ops
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_op_schemas(name):
+    require_backend(name)
+    fwd, bwd = ops.forward_op(name), ops.backward_op(name)
+    assert fwd is getattr(torch.ops.blockdiag, name).default
+    assert bwd is getattr(torch.ops.blockdiag, name + "_backward").default
+    extra = ", bool train" if name == "auto" else ""
+    assert str(fwd._schema) == f"blockdiag::{name}(Tensor x, Tensor weight, Tensor? bias{extra}) -> Tensor"
+    assert str(bwd._schema) == (
+        f"blockdiag::{name}_backward(Tensor grad, Tensor x, Tensor weight, bool has_bias, "
+        "bool need_input, bool need_weight) -> (Tensor, Tensor, Tensor)"
+    )
+
+
+# opcheck's AOT-dispatch check (make_fx and AOTAutograd with dynamic shapes) costs about as
+# much as all the others together, so it runs on two of the eight dtype x grad x bias cases
+# (one per dtype, one with autograd, one without) and on the second shape; every case gets the
+# schema, fake-tensor and autograd-registration checks.
+CHEAP_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+FULL_UTILS = (*CHEAP_UTILS, "test_aot_dispatch_dynamic")
+AOT_CASES = {(torch.float32, True, True), (torch.float64, False, False)}
+
+
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ALL)
+def test_forward_opcheck(name, dtype, grad, bias):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, dtype, grad, bias)
+    op = ops.forward_op(name)
+    args = _fwd_args(name, x, w, b, grad)
+    torch.library.opcheck(op, args, test_utils=FULL_UTILS if (dtype, grad, bias) in AOT_CASES else CHEAP_UTILS)
+    y = op(*args)
+    assert y.shape == (SHAPE[0], SHAPE[1] * SHAPE[3]) and y.dtype == dtype
+    _close(y.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"{name} forward op")
+    if grad:
+        gy = torch.randn_like(y)
+        got = torch.autograd.grad((y * gy).sum(), [t for t in (x, w, b) if t is not None])
+        _, *want = _ref_grads(x, w, b, gy)
+        for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
+            _close(g_, w_, dtype, k=SHAPE[0], what=f"{name} op gradient of {label}")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_opcheck_other_shape(name):
+    # A second shape (wider blocks, more rows), in training with bias, float64.
+    require_backend(name)
+    x, w, b = _operands(WIDE, torch.float64, True, True)
+    torch.library.opcheck(ops.forward_op(name), _fwd_args(name, x, w, b, True), test_utils=FULL_UTILS)
+
+
+NEEDS = [
+    pytest.param(True, True, True, id="input-weight-bias"),
+    pytest.param(True, False, False, id="input"),
+    pytest.param(False, True, True, id="weight-bias"),
+    pytest.param(False, False, True, id="bias-only"),
+]
+
+
+@pytest.mark.parametrize("need_input,need_weight,has_bias", NEEDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ALL)
+def test_backward_opcheck(name, dtype, need_input, need_weight, has_bias):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, dtype, False, has_bias)
+    gy = torch.randn(SHAPE[0], SHAPE[1] * SHAPE[3], dtype=dtype)
+    op = ops.backward_op(name)
+    args = (gy, x, w, has_bias, need_input, need_weight)
+    full = dtype == torch.float64 and need_input and need_weight  # AOT dispatch once per backend
+    torch.library.opcheck(op, args, test_utils=FULL_UTILS if full else CHEAP_UTILS)
+    gx, gw, gb = op(*args)
+    _, rx, rw, rb = _ref_grads(x, w, b, gy)
+    for got, want, needed, label in ((gx, rx, need_input, "input"), (gw, rw, need_weight, "weight"),
+                                     (gb, rb, has_bias, "bias")):
+        if needed:
+            assert got.shape == want.shape and got.dtype == dtype, label
+            _close(got, want, dtype, k=SHAPE[0], what=f"{name} backward op, {label}")
+        else:
+            assert got.numel() == 0, f"{label} gradient was not asked for: expected an empty tensor, got {got.shape}"
+
+
+# ------------------------------------------------------------------------------ FLOPs
+
+
+def _flops(x, w):
+    n, (g, o, i) = x.shape[0], w.shape
+    return 2 * n * g * i * o
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_flop_counter_forward(name):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float32, False, True)
+    with FlopCounterMode(display=False) as fc:
+        y = grouped_linear(x, w, b, backend=name)
+    assert y.shape == (SHAPE[0], SHAPE[1] * SHAPE[3])
+    assert fc.get_total_flops() == _flops(x, w), fc.get_flop_counts()
+    # lead dims are rows: [2, 5, G*in] is 10 rows
+    x3 = torch.randn(2, *x.shape)
+    with FlopCounterMode(display=False) as fc:
+        grouped_linear(x3, w, b, backend=name)
+    assert fc.get_total_flops() == 2 * _flops(x, w), fc.get_flop_counts()
+
+
+@pytest.mark.parametrize("frozen_input", [pytest.param(False, id="input-grad"), pytest.param(True, id="frozen-input")])
+@pytest.mark.parametrize("name", ALL)
+def test_flop_counter_backward(name, frozen_input):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float32, True, True)
+    if frozen_input:
+        x = x.detach()
+    with FlopCounterMode(display=False) as fc:
+        y = grouped_linear(x, w, b, backend=name)
+        fwd = fc.get_total_flops()
+        y.sum().backward()
+    products = 1 if frozen_input else 2  # the weight's gradient, and the input's unless frozen
+    assert fwd == _flops(x, w), fc.get_flop_counts()
+    assert fc.get_total_flops() == (1 + products) * _flops(x, w), fc.get_flop_counts()
+
+
+# --------------------------------------------------------------------------- profiler
+
+
+def _event_names(train, fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = fn()
+        if train:
+            y.sum().backward()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("train", [pytest.param(False, id="inference"), pytest.param(True, id="train")])
+@pytest.mark.parametrize("name", ALL)
+def test_profiler_names_the_ops(name, train):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float32, train, True)
+    seen = _event_names(train, lambda: grouped_linear(x, w, b, backend=name))
+    if name == "auto":
+        # auto may run as its own op or as the op of the backend it planned: either is named.
+        chosen = blockdiag.GroupedLinear(12, 6, 3).plan(x).backend
+        fwd = {"blockdiag::auto", f"blockdiag::{chosen}"}
+    else:
+        fwd = {f"blockdiag::{name}"}
+    assert fwd & seen, f"no profiler event among {sorted(fwd)}; blockdiag events: {sorted(s for s in seen if 'blockdiag' in s)}"
+    if train:
+        bwd = {f + "_backward" for f in fwd}
+        assert bwd & seen, (
+            f"no profiler event among {sorted(bwd)}; blockdiag events: {sorted(s for s in seen if 'blockdiag' in s)}"
+        )
+
+
+# ----------------------------------------------------------------------- meta and fake
+
+
+LEADS = [pytest.param((5,), id="2d"), pytest.param((2, 5), id="3d")]
+
+
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("name", ALL)
+def test_meta_tensors(name, grad, lead):
+    require_backend(name)
+    g, i, o = SHAPE[1:]
+    x = torch.randn(*lead, g * i, device="meta", dtype=torch.float64, requires_grad=grad)
+    w = torch.randn(g, o, i, device="meta", dtype=torch.float64, requires_grad=grad)
+    b = torch.randn(g * o, device="meta", dtype=torch.float64, requires_grad=grad)
+    y = grouped_linear(x, w, b, backend=name)
+    assert (y.shape, y.dtype, y.device.type) == ((*lead, g * o), torch.float64, "meta")
+    if grad:
+        y.sum().backward()
+        for t in (x, w, b):
+            assert t.grad is not None and t.grad.shape == t.shape and t.grad.is_meta
+
+
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ALL)
+def test_fake_tensor_mode(name, dtype, grad):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    require_backend(name)
+    g, i, o = SHAPE[1:]
+    with FakeTensorMode():
+        layer = blockdiag.GroupedLinear(g * i, g * o, g, backend=name, dtype=dtype)
+        x = torch.randn(7, g * i, dtype=dtype, requires_grad=grad)
+        y = layer(x) if grad else grouped_linear(x, layer.weight.detach(), layer.bias.detach(), backend=name)
+        assert isinstance(y, FakeTensor)
+        assert (y.shape, y.dtype, y.device.type) == ((7, g * o), dtype, "cpu")
+        if grad:
+            y.sum().backward()
+            for t in (x, layer.weight, layer.bias):
+                assert isinstance(t.grad, FakeTensor) and t.grad.shape == t.shape
+
+
+# -------------------------------------------------------------------------- forward AD
+
+
+FWD_CASES = [
+    pytest.param("frozen", id="frozen-params"),
+    pytest.param("no_grad", id="no_grad"),
+    pytest.param("trainable", id="trainable-params"),
+    pytest.param("param-tangents", id="param-tangents"),
+]
+
+
+@pytest.mark.parametrize("case", FWD_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ALL)
+def test_forward_ad_tangent(name, dtype, case):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, dtype, False, True)
+    if case == "trainable":
+        w.requires_grad_()
+        b.requires_grad_()
+    tx, tw, tb = torch.randn_like(x), torch.randn_like(w), torch.randn_like(b)
+    ctx = torch.no_grad() if case == "no_grad" else contextlib.nullcontext()
+    with fwAD.dual_level(), ctx:
+        xd = fwAD.make_dual(x, tx)
+        if case == "param-tangents":
+            wd, bd = fwAD.make_dual(w, tw), fwAD.make_dual(b, tb)
+        else:
+            wd, bd = w, b
+        y = grouped_linear(xd, wd, bd, backend=name)
+        primal, tangent = fwAD.unpack_dual(y)
+    assert tangent is not None, f"{name}: forward AD dropped the tangent ({case})"
+    _close(primal.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what="primal")
+    want = reference_loop(_f64(tx), _f64(w), None)
+    if case == "param-tangents":
+        want = want + reference_loop(_f64(x), _f64(tw), _f64(tb))
+    _close(tangent.detach(), want, dtype, what=f"{name} tangent ({case})")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_gradcheck_float64(name):
+    require_backend(name)
+    x, w, b = _operands((3, 2, 3, 2), torch.float64, True, True)
+
+    def f(x, w, b):
+        return grouped_linear(x, w, b, backend=name)
+
+    assert torch.autograd.gradcheck(
+        f, (x, w, b), check_forward_ad=True, check_backward_ad=True, check_batched_grad=True, fast_mode=True
+    )
+    if name == "auto":
+        chosen = blockdiag.GroupedLinear(6, 4, 2, dtype=torch.float64).plan(x).backend
+        declared = get(chosen).double_grad
+        assert declared, f"auto picks {chosen!r} here, which has no double backward: pick another shape"
+    else:
+        declared = get(name).double_grad
+    if declared:
+        assert torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+    else:
+        with pytest.raises(BlockDiagError, match=name):
+            torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)

@@ -1,0 +1,307 @@
+"""One plan cache keyed by (backend, Problem, epoch), and one epoch every mutator moves."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import blockdiag
+from blockdiag import BlockDiagError, Problem, choose, dispatch, profile
+from blockdiag import settings as st
+from blockdiag.backends import _registry
+from blockdiag.dispatch import cached_plan, epoch
+
+from _params import backend_spy
+from _profiles import entry, point, write
+
+P = Problem(8, 2, 3, 5)  # forward, the shape the small layers below run
+SHAPE = dict(batch=8, groups=2, block_in=3, block_out=5)
+
+
+@pytest.fixture
+def prof(tmp_path):
+    """Write a profile at $BLOCKDIAG_PROFILE (the conftest points it into tmp_path)."""
+    path = tmp_path / "profile.json"
+    assert os.environ["BLOCKDIAG_PROFILE"] == str(path)
+
+    def make(**times):
+        return write(path, entry([point(**SHAPE, **times)]))
+
+    yield make
+    profile.clear_cache()
+
+
+@pytest.fixture
+def recheck_every(monkeypatch):
+    """Set profile.RECHECK_S for the test; the next epoch() call looks at the files at once."""
+
+    def set_(seconds):
+        monkeypatch.setattr(profile, "RECHECK_S", seconds)
+        st.bump_epoch()  # resets the deadline computed with the old RECHECK_S
+        epoch()
+
+    yield set_
+    st.bump_epoch()  # the next test's first call looks again, under the usual RECHECK_S
+
+
+def _declines(b, why="declines for the test"):
+    return dataclasses.replace(b, constraint=lambda p: why)
+
+
+def test_every_mutator_moves_the_epoch(monkeypatch, tmp_path):
+    seen = [epoch()]
+
+    def moved():
+        seen.append(epoch())
+        assert seen[-1] != seen[-2]
+
+    blockdiag.set_config(dense_max_groups=3)
+    moved()
+    blockdiag.set_config(dense_max_groups=None)
+    moved()
+    before = epoch()
+    with blockdiag.config(sparsity_threshold=0.5):
+        moved()
+    assert epoch() == before  # left the block: the state, and the epoch, of before it
+    monkeypatch.setenv("BLOCKDIAG_DENSE_MAX_ELEMENTS", "7")
+    moved()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    moved()
+    profile.save_entry(entry([point(bmm=1.0)]))
+    moved()
+    profile.clear_cache()
+    moved()
+    loop = _registry.get("loop")
+    monkeypatch.setitem(_registry._REGISTRY, "loop", dataclasses.replace(loop))  # as tests' spies do
+    moved()
+    assert _registry.replace(loop) is not loop
+    moved()
+    _registry.register(dataclasses.replace(loop, name="loop_again"))
+    moved()
+    _registry.unregister("loop_again")
+    moved()
+
+
+def test_equal_states_share_an_epoch():
+    # Re-entering the same config block (once per step, say) finds the plans cached the
+    # first time; an unchanged state reads the same epoch.
+    assert epoch() == epoch()
+    with blockdiag.config(dense_max_groups=3, sparsity_threshold=0.5):
+        inside = epoch()
+        plan = choose(P)
+    with blockdiag.config(sparsity_threshold=0.5, dense_max_groups=3):
+        assert epoch() == inside
+        assert choose(P) is plan
+    with blockdiag.config(dense_max_groups=4, sparsity_threshold=0.5):
+        assert epoch() != inside
+
+
+def test_choose_plan_for_and_cached_plan_share_one_cache(prof):
+    prof(loop=1.0, bmm=2.0)
+    assert cached_plan("auto", P) is choose(P) is dispatch.plan_for("auto", P)
+    fixed = cached_plan("bmm", P)
+    assert fixed.backend == "bmm" and fixed is dispatch.plan_for("bmm", P)
+    auto = choose(P)
+    # A generation bump drops every plan of past generations at the next store, also where
+    # the settings end up as they were.
+    blockdiag.set_config(dense_max_groups=3)
+    blockdiag.set_config(dense_max_groups=None)
+    again = choose(P)
+    assert again is not auto and again.backend == auto.backend
+    assert all(k[2][0] == st.generation for k in dispatch._cache)
+
+
+@pytest.mark.parametrize("how", ["replace", "setitem", "unregister"])
+def test_a_backend_re_registered_under_its_name_reaches_auto(prof, how):
+    # The issue's case: len(_REGISTRY) did not change, so the layer's memo kept running a
+    # backend that now declines the problem.
+    prof(loop=1.0, bmm=2.0)
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    x = torch.randn(8, 6)
+    with backend_spy() as ran, torch.no_grad():
+        layer(x)
+        assert ran[-1] == "loop" and choose(P).backend == "loop"
+        loop = _registry.get("loop")
+        order = list(_registry._REGISTRY.items())
+        m = pytest.MonkeyPatch()
+        if how == "replace":
+            old = _registry.replace(_declines(loop))
+            assert old is loop
+        elif how == "setitem":
+            m.setitem(_registry._REGISTRY, "loop", _declines(loop))
+        else:
+            # loop stays the last resort for the problems only it accepts; unregistering
+            # it here is safe for this shape.
+            _registry.unregister("loop")
+        try:
+            layer(x)
+            assert ran[-1] == "bmm" and choose(P).backend == "bmm"
+        finally:
+            m.undo()
+            if how == "replace":
+                _registry.replace(old)
+            elif how == "unregister":
+                _registry._REGISTRY.clear()  # back in its place in the registration order
+                _registry._REGISTRY.update(order)
+        layer(x)
+        assert ran[-1] == "loop"
+
+
+def test_a_named_backend_replaced_by_one_that_declines_is_refused(monkeypatch):
+    x, w = torch.randn(8, 6), torch.randn(2, 5, 3)
+    blockdiag.grouped_linear(x, w, backend="bmm")  # memoized as valid
+    monkeypatch.setitem(_registry._REGISTRY, "bmm", _declines(_registry.get("bmm"), "no longer runs this"))
+    with pytest.raises(BlockDiagError, match="backend 'bmm' cannot run .*: no longer runs this"):
+        blockdiag.grouped_linear(x, w, backend="bmm")
+
+
+def test_registry_replace_and_unregister_refuse_what_register_would():
+    with pytest.raises(BlockDiagError, match="replace: unknown backend 'nope'"):
+        _registry.replace(dataclasses.replace(_registry.get("loop"), name="nope"))
+    with pytest.raises(BlockDiagError, match="unregister: unknown backend 'nope'"):
+        _registry.unregister("nope")
+    with pytest.raises(BlockDiagError, match="'bmm_fm_loop', 'bmm_fm_bmm' declare same_forward_as='bmm_fm'"):
+        _registry.unregister("bmm_fm")
+    bad = dataclasses.replace(_registry.get("bmm_fm_bmm"), same_forward_as="missing")
+    with pytest.raises(BlockDiagError, match="replace: 'bmm_fm_bmm' declares same_forward_as='missing'"):
+        _registry.replace(bad)
+    assert _registry.get("bmm_fm_bmm").same_forward_as == "bmm_fm"
+    with pytest.raises(BlockDiagError, match="already registered"):
+        _registry.register(_registry.get("loop"))
+
+
+def test_the_registry_keeps_its_order_and_every_mutation_bumps():
+    names = _registry.names()
+    g = st.generation
+    loop = _registry.get("loop")
+    _registry.replace(loop)
+    assert _registry.names() == names and st.generation != g
+    r = _registry._REGISTRY
+    for mutate in (lambda: r.update(loop=loop), lambda: r.setdefault("loop", loop), lambda: r.__ior__({"loop": loop})):
+        g = st.generation
+        mutate()
+        assert st.generation != g
+    assert _registry.names() == names
+
+
+def test_a_profile_rewritten_by_another_process_is_followed(prof, recheck_every):
+    path = prof(loop=1.0, bmm=2.0)
+    recheck_every(0.05)
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    x = torch.randn(8, 6)
+    with backend_spy() as ran, torch.no_grad():
+        layer(x)
+        assert ran[-1] == "loop"
+        doc = json.loads(path.read_text())
+        for e in doc["entries"].values():
+            e["measurements"][0]["times_us"] = {"loop": 2.0, "bmm": 1.0}
+        # Another process: nothing in this one hears of it (no clear_cache, no save_entry).
+        # The same size as before: the change shows in the mtime (and here the inode).
+        code = "import os, sys; open(sys.argv[1] + '.tmp', 'w').write(sys.argv[2]); os.replace(sys.argv[1] + '.tmp', sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, str(path), json.dumps(doc)], check=True)
+        time.sleep(0.1)
+        layer(x)
+        assert ran[-1] == "bmm"
+        assert choose(P).backend == "bmm"
+
+
+def test_a_profile_that_appears_later_is_followed(tmp_path, recheck_every):
+    path = tmp_path / "profile.json"
+    assert not path.exists()
+    recheck_every(0.05)
+    before = choose(P)
+    assert before.source == profile.BUILTIN_SOURCE
+    doc = {"format": profile.FORMAT, "version": profile.VERSION, "entries": {}}
+    e = entry([point(**SHAPE, loop=1.0, conv=0.5)])
+    doc["entries"][f"{e['device_name']}|{e['torch']}|{e['dtype']}"] = e
+    path.write_text(json.dumps(doc))  # no clear_cache: as if written elsewhere
+    time.sleep(0.1)
+    plan = choose(P)
+    assert plan.source.startswith("tuning profile") and plan.backend == "conv"
+
+
+def test_the_thread_count_is_followed(recheck_every):
+    threads = torch.get_num_threads()
+    recheck_every(0.0)
+    before = epoch()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert epoch() != before
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_hit_path_looks_at_no_file(prof, monkeypatch, recheck_every):
+    # Between two looks (RECHECK_S apart) auto's per-call path costs no system call.
+    prof(loop=1.0, bmm=2.0)
+    recheck_every(3600.0)
+    layer = blockdiag.GroupedLinear(6, 10, groups=2)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        layer(x)
+        choose(P)
+        stats = []
+        real = os.stat
+        monkeypatch.setattr(os, "stat", lambda *a, **k: stats.append(a) or real(*a, **k))
+        for _ in range(200):
+            layer(x)
+            blockdiag.grouped_linear(x, layer.weight, layer.bias)
+            choose(P)
+    assert stats == []
+
+
+def test_a_plan_whose_epoch_moved_while_planning_is_not_kept(monkeypatch):
+    # A backend whose shape rule changes a setting: every plan is made in two epochs.
+    def rule(p):
+        st.bump_epoch()
+        return None
+
+    b = dataclasses.replace(_registry.get("bmm"), name="bumper", constraint=rule)
+    monkeypatch.setitem(_registry._REGISTRY, "bumper", b)
+    assert choose(P) is not choose(P)
+    monkeypatch.delitem(_registry._REGISTRY, "bumper")
+    assert choose(P) is choose(P)
+
+
+def test_choose_from_many_threads_each_with_its_own_config(prof):
+    # csr wins where sparse layouts are allowed; a thread outside config(sparsity_threshold=0)
+    # must never get it, one inside always, while another thread moves the epoch.
+    prof(csr=1.0, loop=2.0, bmm=3.0)
+    errors, barrier = [], threading.Barrier(6)
+
+    def work(k):
+        try:
+            barrier.wait()
+            for i in range(300):
+                if (k + i) % 2:
+                    with blockdiag.config(sparsity_threshold=0.0):
+                        assert choose(P).backend == "csr"
+                else:
+                    assert choose(P).backend == "loop"
+                if i % 50 == 0 and k == 0:
+                    blockdiag.set_config(dense_max_groups=16)  # a bump seen by all threads
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        blockdiag.set_config(dense_max_groups=None)
+    assert errors == []
+
+
+def test_the_old_names_read_the_one_epoch():
+    # Memos written before the epoch (keyed on settings.token(), checking
+    # profile.generation) keep working: the token is the epoch.
+    assert st.token is st.epoch
+    assert profile.generation == 0
