@@ -73,7 +73,7 @@ def _fm_backward(gy, x, weight, has_bias, need_x, need_w):
 # bmm's backward is the batched-matmul formula of ``ops.generic_backward`` (backward=None):
 # its weight gradient ``gy_g^T @ x_g`` comes out as ``[G, out, in]``, the weight's own layout.
 bmm = define(OpEntry("bmm", _bmm_forward, traceable=True))
-bmm_fm = define(OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True))
+bmm_fm = define(OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True, eager_autograd=True))
 
 
 BACKEND = register(

@@ -35,7 +35,7 @@ def _backward(gy, x, weight, has_bias, need_x, need_w):
 
 # An explicit fake kernel: torch's own fake convolution guards on the batch size, which
 # would cost a compiled graph per batch range.
-conv = define(OpEntry("conv", _forward, _backward, traceable=True, fake=fake_rows))
+conv = define(OpEntry("conv", _forward, _backward, traceable=True, fake=fake_rows, eager_autograd=True))
 
 
 def _constraint(p) -> str | None:

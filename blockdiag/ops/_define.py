@@ -133,6 +133,10 @@ class OpEntry:
             strided CPU tensors with storage before they run.
         check: ``check(x, weight, bias)`` returns why the kernels cannot run these operands
             (e.g. a failed self-check), or None; run by the op before the kernel.
+        eager_autograd: ``backward`` computes what torch's own derivatives of ``forward``
+            compute, in the same products: eager calls then record ``forward``'s torch ops
+            under autograd directly, without the Python Function (whose fixed cost is about
+            as large as a small product); the ops still use ``backward``.
     """
 
     name: str
@@ -142,6 +146,7 @@ class OpEntry:
     traceable: bool = False
     native: bool = False
     check: Optional[Callable] = None
+    eager_autograd: bool = False
 
     def __post_init__(self) -> None:
         self.fwd_op = None
@@ -162,7 +167,7 @@ class OpEntry:
             why = self.check(x, weight, bias)
             if why is not None:
                 raise BlockDiagError(f"{self.name}: {why}")
-        if _records(x, weight, bias):
+        if not self.eager_autograd and _records(x, weight, bias):
             return self._eager_fn.apply(x, weight, bias)
         return self.forward(x, weight, bias)
 
