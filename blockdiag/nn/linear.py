@@ -23,7 +23,8 @@ from ..ops.auto import auto as _auto_op
 __all__ = ["GroupedLinear", "grouped_linear"]
 
 
-def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
+def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """Check the operands' shapes, devices and dtypes (no batch size read); ``(G, out, in)``."""
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
@@ -34,8 +35,13 @@ def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         f"(groups={g} x block_in={i})",
     )
     if bias is not None:
-        check(fn, bias.shape == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
+        check(fn, tuple(bias.shape) == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
     check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+    return g, o, i
+
+
+def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
+    g, o, i = _check_operands(fn, x, weight, bias)
     # Rows are the leading dimensions' product, also when a block has no columns (numel 0).
     n = x.shape[:-1].numel()
     return Problem(n, g, i, o, x.dtype, x.device.type, _records_grad(x, weight, bias))
@@ -183,18 +189,7 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     if not _sharding._done and not torch.compiler.is_compiling():
         # Registers DTensor's rules once DTensor is loaded; never traced (it takes a lock).
         _sharding.ensure()
-    check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
-    g, o, i = weight.shape
-    check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
-    check(
-        fn,
-        x.shape[-1] == g * i,
-        f"input has shape {tuple(x.shape)}; its last dimension must be in_features={g * i} "
-        f"(groups={g} x block_in={i})",
-    )
-    if bias is not None:
-        check(fn, tuple(bias.shape) == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
-    check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+    g, o, i = _check_operands(fn, x, weight, bias)
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(lead.numel(), g * i)
     if backend == "auto":
