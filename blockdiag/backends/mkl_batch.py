@@ -65,6 +65,7 @@ import torch
 from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, Problem, register
 from ..ops import OpEntry, define
+from ._native import check_stored
 from .bmm import _fm_backward, bmm_fm_forward
 
 # CBLAS enum values (cblas.h): row-major layout, no transpose, transpose.
@@ -122,7 +123,7 @@ def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype, output: bool = False
         )
     if t.dtype is not dtype:
         raise BlockDiagError(f"mkl_batch: {arg} must be {dtype}, got {t.dtype}")
-    _stored("mkl_batch", arg, t)
+    check_stored("mkl_batch", arg, t)
     if t.is_neg() or t.is_conj():
         if output:
             raise BlockDiagError(
@@ -131,26 +132,6 @@ def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype, output: bool = False
         t = _resolved(t)
     return t
 
-
-def _stored(backend: str, arg: str, t: torch.Tensor) -> None:
-    """Raise BlockDiagError unless ``t``'s storage is allocated and holds every element of the view."""
-    n = t.numel()
-    if not n:
-        return
-    if t.is_contiguous():
-        end = t.storage_offset() + n
-    else:
-        end = t.storage_offset() + 1 + sum([(a - 1) * b for a, b in zip(t.shape, t.stride())])
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError) as e:  # a batched or functional wrapper (legacy vmap, ...)
-        raise BlockDiagError(f"{backend}: {arg} has no storage of its own ({e}): a wrapper tensor cannot be "
-                             f"handed to the kernels") from None
-    if storage.nbytes() < end * t.element_size() or not storage.data_ptr():
-        raise BlockDiagError(
-            f"{backend}: {arg} has no storage for its elements (shape {tuple(t.shape)}, "
-            f"strides {t.stride()}, offset {t.storage_offset()}, {storage.nbytes()} bytes of storage)"
-        )
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ import torch
 from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, register
 from ..ops import OpEntry, define
+from ._native import check_stored
 from .bmm import _fm_backward, bmm_fm_forward
 
 # Bumped with _simd.c's bd_abi_version() whenever an exported signature or return convention
@@ -410,29 +411,9 @@ def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise BlockDiagError(f"simd: {arg} must be {dtype} like the input, got {t.dtype}")
     if t.is_neg() or t.is_conj():
         t = t.resolve_neg().resolve_conj()  # the kernels read memory: apply the lazy negation
-    _stored("simd", arg, t)
+    check_stored("simd", arg, t)
     return t
 
-
-def _stored(backend: str, arg: str, t: torch.Tensor) -> None:
-    """Raise BlockDiagError unless ``t``'s storage is allocated and holds every element of the view."""
-    n = t.numel()
-    if not n:
-        return
-    if t.is_contiguous():
-        end = t.storage_offset() + n
-    else:
-        end = t.storage_offset() + 1 + sum([(a - 1) * b for a, b in zip(t.shape, t.stride())])
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError) as e:  # a batched or functional wrapper (legacy vmap, ...)
-        raise BlockDiagError(f"{backend}: {arg} has no storage of its own ({e}): a wrapper tensor cannot be "
-                             f"handed to the kernels") from None
-    if storage.nbytes() < end * t.element_size() or not storage.data_ptr():
-        raise BlockDiagError(
-            f"{backend}: {arg} has no storage for its elements (shape {tuple(t.shape)}, "
-            f"strides {t.stride()}, offset {t.storage_offset()}, {storage.nbytes()} bytes of storage)"
-        )
 
 
 def _cols(t: torch.Tensor) -> torch.Tensor:

@@ -222,13 +222,17 @@ class OpEntry:
         return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
 
     def _bwd_fake(self, gy, x, weight, has_bias, need_x, need_w):
-        g, o, i = weight.shape
-        empty = gy.new_empty(0)
-        return (
-            gy.new_empty(x.shape) if need_x else empty,
-            gy.new_empty(g, o, i) if need_w else gy.new_empty(0),
-            gy.new_empty(g * o) if has_bias else gy.new_empty(0),
-        )
+        return fake_backward(gy, x, weight, has_bias, need_x, need_w)
+
+
+def fake_backward(gy, x, weight, has_bias, need_x, need_w):
+    """The fake kernel of a backward op: each gradient's shape, or 0 elements where not asked for."""
+    g, o, i = weight.shape
+    return (
+        gy.new_empty(x.shape) if need_x else gy.new_empty(0),
+        gy.new_empty(g, o, i) if need_w else gy.new_empty(0),
+        gy.new_empty(g * o) if has_bias else gy.new_empty(0),
+    )
 
 
 def _placeholders(gy, x, weight, has_bias, gx, gw, gb):

@@ -29,6 +29,7 @@ from ._define import (
     _named,
     _setup,
     differentiable_backward_needed,
+    fake_backward,
     generic_backward,
 )
 
@@ -93,15 +94,6 @@ def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
     else:
         gx, gw, gb = entry.run_backward(gy, x, weight, has_bias, need_x, need_w)
     return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
-
-
-def _bwd_fake(gy, x, weight, has_bias, need_x, need_w):
-    g, o, i = weight.shape
-    return (
-        gy.new_empty(x.shape) if need_x else gy.new_empty(0),
-        gy.new_empty(g, o, i) if need_w else gy.new_empty(0),
-        gy.new_empty(g * o) if has_bias else gy.new_empty(0),
-    )
 
 
 def _backward(ctx, gy):
@@ -174,7 +166,7 @@ def _vmap(info, in_dims, x, weight, bias, train):
 LIB.impl("auto", _impl, "CompositeExplicitAutograd")
 LIB.impl("auto_backward", _bwd_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
-torch.library.register_fake("blockdiag::auto_backward", _bwd_fake, lib=LIB)
+torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
 LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
 
