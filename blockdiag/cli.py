@@ -261,6 +261,10 @@ def cmd_explain(args) -> int:
     else:
         plan = choose(p)
     print(plan)
+    if p.device == "cpu":  # which of simd's kernel variants runs here (avx512, avx2, neon), or why none
+        from .backends import simd
+
+        print(simd.variant_note())
     return 0
 
 

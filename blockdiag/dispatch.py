@@ -426,7 +426,9 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     how = "measured" if exact else f"estimated ({len(used)} nearest measured shapes, scaled by FLOPs)"
     cands = []
     for n in ranked:
-        note = ("chosen; " if n == best else "") + (how if n in estimates else "not measured")
+        # An entry may say why a backend has no times (profile.fit_variant: another simd variant).
+        unmeasured_note = (entry or {}).get("not_measured", {}).get(n, "not measured")
+        note = ("chosen; " if n == best else "") + (how if n in estimates else unmeasured_note)
         cands.append(Candidate(n, True, estimates.get(n), note, exact and n in estimates))
     for n in names():
         if n in notes:

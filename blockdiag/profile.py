@@ -11,7 +11,11 @@ A profile file is JSON::
                            "block_in": i, "block_out": o, "times_us": {backend: median us}}]}}}
 
 ``auto`` uses the entry whose key matches the problem's device name, the running torch and
-the dtype. Without one it uses the built-in table shipped in ``blockdiag/_defaults.json``
+the dtype. A CPU entry records the ``simd`` kernel variant it was measured with
+(``"simd_variant": "avx512" | "avx2" | "neon"``, stamped by :func:`save_entry`); where this
+machine runs another variant, ``simd``'s times in it describe other kernels and are dropped
+(:func:`fit_variant`: ``simd`` then ranks by the fallback order), and the built-in table
+prefers an entry measured with the running variant (keyed ``...|<dtype>|<variant>``). Without one it uses the built-in table shipped in ``blockdiag/_defaults.json``
 (measured on a 2-core CPU). A missing file is silent; a corrupt file, or one holding only
 entries for another torch version or device (stale), gives one warning per file and falls
 back to the defaults: ``auto`` never crashes on a profile.
@@ -230,7 +234,7 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
         key = profile_key(device, dtype)
         entry = doc["entries"].get(key)
         if entry is not None:
-            return entry, f"tuning profile {p}"
+            return fit_variant(entry, device), f"tuning profile {p}"
         same_dev = [k for k in doc["entries"] if k.split("|")[0] == key.split("|")[0]]
         if not same_dev or all(k.split("|")[1] != torch.__version__ for k in same_dev):
             _warn_once(
@@ -239,6 +243,51 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
                 f"(it has {', '.join(map(repr, doc['entries'])) or 'none'}); run `blockdiag tune`",
             )
     return builtin_entry(device, dtype), BUILTIN_SOURCE
+
+
+def _running_simd_variant(device: str) -> Optional[str]:
+    """The ``simd`` kernel variant this machine runs (None off CPU, or where simd is unavailable)."""
+    if device != "cpu":
+        return None
+    from .backends import simd
+
+    try:
+        return simd.variant()
+    except Exception:  # noqa: BLE001  (the chooser never fails on the table)
+        return None
+
+
+_fitted: dict = {}
+
+
+def fit_variant(entry: Optional[dict], device: str) -> Optional[dict]:
+    """``entry``, or a copy without ``simd``'s times where they were measured with another variant.
+
+    An entry's ``simd_variant`` says which ``simd`` kernels its times are of (absent: not
+    known, kept as they are). On a machine running another variant (an AVX2 CPU reading
+    AVX-512 measurements) those times would rank kernels that do not run here: the copy drops
+    them, and says why in ``not_measured`` (the plan's candidate note).
+    """
+    if entry is None or device != "cpu" or "simd_variant" not in entry:
+        return entry
+    running = _running_simd_variant(device)
+    if running is None or running == entry["simd_variant"]:
+        return entry
+    hit = _fitted.get(id(entry))
+    if hit is not None and hit[0] is entry and hit[1] == running:
+        return hit[2]
+    why = f"not measured: the table's simd times are of the {entry['simd_variant']} kernels, this machine runs {running}"
+    fitted = {
+        **entry,
+        "measurements": [{**m, "times_us": {k: v for k, v in m["times_us"].items() if k != "simd"},
+                          "skipped": {**m.get("skipped", {}), "simd": why}}
+                         for m in entry["measurements"]],
+        "not_measured": {"simd": why},
+    }
+    if len(_fitted) > 64:
+        _fitted.clear()
+    _fitted[id(entry)] = (entry, running, fitted)
+    return fitted
 
 
 _entry_cache: dict = {}
@@ -330,23 +379,34 @@ def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
     The built-in table holds entries measured on a few machines. The one measured on a
     device of this name (:func:`device_name`, the CPU's thread count included) is used;
     else the one the table's ``"defaults"`` names for the device type; else the first
-    entry of that type.
+    entry of that type. On CPU each step prefers an entry measured with the ``simd`` kernel
+    variant this machine runs: one of this device's name and variant; else one of this name
+    (another variant); else the default, or any CPU entry, of this variant; else the default.
+    One measured with another variant is used without its ``simd`` times (:func:`fit_variant`).
     """
     doc, err = read_profile(DEFAULTS_PATH)
     if doc is None:
         return None
     entries = doc["entries"]
     name = device_name(device)
-    for e in entries.values():
-        if e.get("device") == device and e.get("device_name") == name:
-            return e
+    running = _running_simd_variant(device)
     default = doc.get("defaults", {}).get(device)
-    if default in entries and entries[default].get("device") == device:
-        return entries[default]
-    for e in entries.values():
-        if e.get("device") == device:
+    ours = [e for e in entries.values() if e.get("device") == device]
+    named = [e for e in ours if e.get("device_name") == name]
+    defaults = [entries[default]] if default in entries and entries[default].get("device") == device else []
+
+    def same(e: dict) -> bool:  # measured with the kernels that run here (or not known)
+        return running is None or e.get("simd_variant", running) == running
+
+    for e in named:
+        if same(e):
             return e
-    return None
+    if named:
+        return fit_variant(named[0], device)
+    for e in defaults + ours:
+        if same(e):
+            return e
+    return fit_variant((defaults + ours)[0], device) if ours else None
 
 
 def save_entry(entry: dict, path: Path | str | None = None) -> Path:
@@ -367,6 +427,11 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
     # an entry refused below never reaches auto.
     doc = {"format": FORMAT, "version": VERSION, "entries": {}} if doc is None else {**doc, "entries": dict(doc["entries"])}
     key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
+    if (entry.get("device") == "cpu" and "simd_variant" not in entry
+            and any("simd" in m.get("times_us", {}) for m in entry.get("measurements", []))):
+        running = _running_simd_variant("cpu")  # the kernels these simd times are of
+        if running is not None:
+            entry = {**entry, "simd_variant": running}
     doc["entries"][key] = entry
     try:
         _validate(doc, str(p))

@@ -186,8 +186,11 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_library
     [
         ("no compiler", r"no C compiler: /nonexistent/cc is not on PATH \(set \$CC\)"),
         ("compiler fails", r"compiling the kernels with .*false failed \(exit 1\)"),
-        ("no AVX-512", r"this CPU has no AVX-512F"),
-        ("other platform", r"needs Linux on x86-64 \(this is darwin on arm64\)"),
+        ("no AVX2", r"this CPU has neither AVX-512F nor AVX2 with FMA"),
+        ("forced avx512", r"BLOCKDIAG_SIMD_ISA=avx512 asks for the avx512 kernels, which this CPU cannot run "
+                          r"\(no AVX-512F; it can run: avx2\)"),
+        ("unknown variant", r"BLOCKDIAG_SIMD_ISA='sse4' is not a kernel variant \(one of avx512, avx2, neon\)"),
+        ("other platform", r"needs Linux on x86-64 or aarch64 \(this is darwin on arm64\)"),
     ],
 )
 def test_unavailable_with_the_reason(fresh_library, monkeypatch, setup, reason):
@@ -195,8 +198,13 @@ def test_unavailable_with_the_reason(fresh_library, monkeypatch, setup, reason):
         monkeypatch.setenv("CC", "/nonexistent/cc")
     elif setup == "compiler fails":
         monkeypatch.setenv("CC", "false")
-    elif setup == "no AVX-512":
+    elif setup == "no AVX2":
+        monkeypatch.setattr(simd, "_cpu_description", lambda: "Some CPU|fpu sse2 avx f16c")
+    elif setup == "forced avx512":
         monkeypatch.setattr(simd, "_cpu_description", lambda: "Some CPU|fpu sse2 avx2 fma")
+        monkeypatch.setenv("BLOCKDIAG_SIMD_ISA", "avx512")
+    elif setup == "unknown variant":
+        monkeypatch.setenv("BLOCKDIAG_SIMD_ISA", "sse4")
     else:
         monkeypatch.setattr(simd.sys, "platform", "darwin")
         monkeypatch.setattr(simd.platform, "machine", lambda: "arm64")

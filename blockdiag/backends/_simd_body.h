@@ -1,12 +1,18 @@
-/* The kernels of _simd.c for one element type: included once per type, with T, VL (lanes
- * per vector), V and M (vector and mask types), the intrinsics and the name suffix SFX
- * defined by the includer. */
+/* The kernels of _simd.c for one element type and instruction set: included once per type,
+ * with T, VL (lanes per vector), V and M (vector and mask types), MASK(n) (the mask of the
+ * first n lanes, n >= 0), the intrinsics and the name suffix SFX defined by the includer, and
+ * one of BD_ISA_AVX512, BD_ISA_AVX2, BD_ISA_NEON saying which set they are. Everything below
+ * is written against those macros except the few helpers in the ISA sections (the horizontal
+ * sums and the register transpose), which have no common form. The includer may also set the
+ * register tiling for its register file (MAXNV, RTILE, WRTILE, DRT, DOTMAXO); the defaults
+ * are AVX-512's (32 registers of 16 floats). */
 #define CAT2(a, b) a##_##b
 #define CAT(a, b) CAT2(a, b)
 /* At most 4 vectors of columns per tile: 4 x 6 accumulators plus 4 weight vectors fit the
-   32 vector registers. */
+   32 vector registers (AVX2's 16 registers take MAXNV 3). */
+#ifndef MAXNV
 #define MAXNV 4
-#define MASK(n) ((M)(((n) >= VL) ? (M)~(M)0 : (M)((1u << (n)) - 1u)))
+#endif
 
 /* The register tiles take their rows (rr) and vectors of columns (nv) as compile-time
    constants: DISPATCH(C, ROWS1) turns the runtime pair into C(R, NV), a case of a switch,
@@ -14,8 +20,15 @@
 #define ROWS8(C, NV) switch (rr) { C(1, NV) C(2, NV) C(3, NV) C(4, NV) C(5, NV) C(6, NV) C(7, NV) C(8, NV) }
 #define ROWS16(C, NV) switch (rr) { C(1, NV) C(2, NV) C(3, NV) C(4, NV) C(5, NV) C(6, NV) C(7, NV) C(8, NV) \
                                     C(9, NV) C(10, NV) C(11, NV) C(12, NV) C(13, NV) C(14, NV) C(15, NV) C(16, NV) }
+#if MAXNV == 4
 #define DISPATCH(C, ROWS1) switch (nv) { case 1: ROWS1(C, 1) break; case 2: ROWS8(C, 2) break; \
                                          case 3: ROWS8(C, 3) break; case 4: ROWS8(C, 4) break; }
+#elif MAXNV == 3
+#define DISPATCH(C, ROWS1) switch (nv) { case 1: ROWS1(C, 1) break; case 2: ROWS8(C, 2) break; \
+                                         case 3: ROWS8(C, 3) break; }
+#else
+#error "MAXNV must be 3 or 4"
+#endif
 
 /* C[r, n] (n < nw) = (bias[n]) + sum_k A[r*lda + k] * P[k*ldp + n],  r < RR; NV = ceil(nw/VL).
    RR and NV are compile-time constants at every call (tile_any's switch), so the RR x NV
@@ -55,7 +68,9 @@ INL void CAT(tile_groups, SFX)(const T* a, int64_t lda, const T* p, int64_t sp, 
 }
 
 /* Rows per tile: as many independent accumulator chains as the registers allow. */
+#ifndef RTILE
 #define RTILE(nv) ((nv) <= 2 ? 8 : 6)
+#endif
 
 static void CAT(tile_any, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp, int64_t K,
                                const T* bias, T* c, int64_t ldc, int64_t nw, int rr, int nv)
@@ -82,8 +97,16 @@ static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64
 
 /* Rows per dot tile: RR x NO accumulators, RR input vectors and one weight vector fit the 32
    vector registers. */
+#ifndef DRT
 #define DRT(no) ((no) <= 6 ? 4 : (no) <= 8 ? 3 : 2)
+#endif
+/* The most outputs the dot form takes (use_dot): those whose broadcast form would fill at most
+   5/8 of one vector's lanes. */
+#ifndef DOTMAXO
+#define DOTMAXO (VL * 5 / 8)
+#endif
 
+#if defined(BD_ISA_AVX512)
 /* The tree leaves the sum of s[q] in lane (VL/4)*(q%4) + q/4, so DSLOT(q) is the output fed
    to leaf q, and lane o of the result holds output o. */
 #define DSLOT(q) ((VL / 4) * ((q) % 4) + (q) / 4)
@@ -113,12 +136,42 @@ INL V CAT(hsum, SFX)(V* s)
     return _mm512_add_pd(_mm512_unpacklo_pd(b[0], b[1]), _mm512_unpackhi_pd(b[0], b[1]));
 #endif
 }
+#elif defined(BD_ISA_AVX2)
+#define DSLOT(q) (q)
+/* The VL horizontal sums of s[0..VL-1] in one vector, lane q holding the sum of s[q]: pairwise
+   adds within 128-bit lanes, then the two halves added. */
+INL V CAT(hsum, SFX)(V* s)
+{
+#if VL == 8
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    __m256d t0 = _mm256_hadd_pd(s[0], s[1]), t1 = _mm256_hadd_pd(s[2], s[3]);
+    return _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20), _mm256_permute2f128_pd(t0, t1, 0x31));
+#endif
+}
+#elif defined(BD_ISA_NEON)
+#define DSLOT(q) (q)
+/* The VL horizontal sums of s[0..VL-1] in one vector, lane q holding the sum of s[q]: a tree
+   of pairwise adds. */
+INL V CAT(hsum, SFX)(V* s)
+{
+#if VL == 4
+    return vpaddq_f32(vpaddq_f32(s[0], s[1]), vpaddq_f32(s[2], s[3]));
+#else
+    return vpaddq_f64(s[0], s[1]);
+#endif
+}
+#else
+#error "define one of BD_ISA_AVX512, BD_ISA_AVX2, BD_ISA_NEON before including _simd_body.h"
+#endif
 
-/* C[r, o] = (bias[o]) + sum_k A[r*lda + k] * W[o*K + k],  r < RR, o < NO <= 5 VL / 8. */
+/* C[r, o] = (bias[o]) + sum_k A[r*lda + k] * W[o*K + k],  r < RR, o < NO <= DOTMAXO. */
 INL void CAT(dtile, SFX)(const T* a, int64_t lda, const T* w, int64_t K, const T* bias, T* c, int64_t ldc,
                          const int RR, const int NO)
 {
-    V acc[4][VL];
+    V acc[4][DOTMAXO];
     for (int r = 0; r < RR; r++)
         for (int o = 0; o < NO; o++) acc[r][o] = VZERO;
     int64_t k = 0;
@@ -139,12 +192,15 @@ INL void CAT(dtile, SFX)(const T* a, int64_t lda, const T* w, int64_t K, const T
             for (int r = 0; r < RR; r++) acc[r][o] = VFMA(xv[r], wv, acc[r][o]);
         }
     }
-    M mo = MASK(NO);
-    V b0 = bias ? VLOADM(mo, bias) : VZERO;
-    for (int r = 0; r < RR; r++) {
-        V s[VL];
-        for (int q = 0; q < VL; q++) s[q] = DSLOT(q) < NO ? acc[r][DSLOT(q)] : VZERO;
-        VSTOREM(c + r * ldc, mo, VADD(CAT(hsum, SFX)(s), b0));
+    /* VL outputs per horizontal sum (one pass unless DOTMAXO > VL). */
+    for (int o0 = 0; o0 < NO; o0 += VL) {
+        M mo = MASK(NO - o0);
+        V b0 = bias ? VLOADM(mo, bias + o0) : VZERO;
+        for (int r = 0; r < RR; r++) {
+            V s[VL];
+            for (int q = 0; q < VL; q++) s[q] = o0 + DSLOT(q) < NO ? acc[r][o0 + DSLOT(q)] : VZERO;
+            VSTOREM(c + r * ldc + o0, mo, VADD(CAT(hsum, SFX)(s), b0));
+        }
     }
 }
 
@@ -158,17 +214,41 @@ static void CAT(dtile_any, SFX)(const T* a, int64_t lda, const T* w, int64_t K, 
             CAT(dtile, SFX)(a + r * lda, lda, w, K, bias, c + r * ldc, ldc, DRT(NO), NO); \
         for (; r < rr; r++) CAT(dtile, SFX)(a + r * lda, lda, w, K, bias, c + r * ldc, ldc, 1, NO); \
         break; }
-    /* no <= 5 VL / 8 (use_dot) */
+    /* no <= DOTMAXO (use_dot) */
     switch (no) {
-    DCASE(1) DCASE(2) DCASE(3) DCASE(4) DCASE(5)
-#if VL == 16
-    DCASE(6) DCASE(7) DCASE(8) DCASE(9) DCASE(10)
+    DCASE(1)
+#if DOTMAXO >= 2
+    DCASE(2)
+#endif
+#if DOTMAXO >= 3
+    DCASE(3)
+#endif
+#if DOTMAXO >= 4
+    DCASE(4)
+#endif
+#if DOTMAXO >= 5
+    DCASE(5)
+#endif
+#if DOTMAXO >= 6
+    DCASE(6)
+#endif
+#if DOTMAXO >= 7
+    DCASE(7)
+#endif
+#if DOTMAXO >= 8
+    DCASE(8)
+#endif
+#if DOTMAXO >= 9
+    DCASE(9)
+#endif
+#if DOTMAXO >= 10
+    DCASE(10)
 #endif
     }
 #undef DCASE
 }
 
-/* Y[n, g*N + o] = bias[g*N + o] + sum_k X[n, g*K + k] * W[g][o][k], for N <= 5 VL / 8 (use_dot).
+/* Y[n, g*N + o] = bias[g*N + o] + sum_k X[n, g*K + k] * W[g][o][k], for N <= DOTMAXO (use_dot).
    The work items are (block of rows, group) pairs: a group's weight stays in L1 while every row
    tile of the block passes over it, since each dot tile reads the whole weight of its group for
    only DRT rows. */
@@ -193,6 +273,7 @@ static void CAT(bdmm_dot, SFX)(const T* x, int64_t ldx, const T* w, const T* bia
    indices between the pairs of rows (i, i + h), with two-source permutes whose indices are
    constant tables (built at run time, their stores stalled the loads: 38 against 15 us for
    B=1 G=16 64x64, one thread). */
+#if defined(BD_ISA_AVX512)
 #if VL == 16
 static const int32_t CAT(tidx, SFX)[4][2][16] __attribute__((aligned(64))) = {
     {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}, {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
@@ -219,6 +300,53 @@ INL void CAT(transpose, SFX)(V* v)
             }
     }
 }
+#elif defined(BD_ISA_AVX2)
+/* v[i][l] <- v[l][i]: unpacks and shuffles within 128-bit lanes, then the halves exchanged. */
+INL void CAT(transpose, SFX)(V* v)
+{
+#if VL == 8
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+#else
+    __m256d t0 = _mm256_unpacklo_pd(v[0], v[1]), t1 = _mm256_unpackhi_pd(v[0], v[1]);
+    __m256d t2 = _mm256_unpacklo_pd(v[2], v[3]), t3 = _mm256_unpackhi_pd(v[2], v[3]);
+    v[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+    v[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+    v[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+    v[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+#endif
+}
+#elif defined(BD_ISA_NEON)
+/* v[i][l] <- v[l][i]: element pairs, then (float32) 64-bit pairs, exchanged between rows. */
+INL void CAT(transpose, SFX)(V* v)
+{
+#if VL == 4
+    float32x4_t t0 = vtrn1q_f32(v[0], v[1]), t1 = vtrn2q_f32(v[0], v[1]);
+    float32x4_t t2 = vtrn1q_f32(v[2], v[3]), t3 = vtrn2q_f32(v[2], v[3]);
+    v[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    v[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+    v[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    v[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+#else
+    float64x2_t t0 = vtrn1q_f64(v[0], v[1]), t1 = vtrn2q_f64(v[0], v[1]);
+    v[0] = t0;
+    v[1] = t1;
+#endif
+}
+#endif
 
 /* P[k][0:np] = w[:, k], zero padded: w is [N][K]. Whole VL x VL squares are transposed in
    registers, rather than by a scalar loop with strided stores (1 thread, B=1 G=16 64x64: 15
@@ -354,7 +482,7 @@ static int CAT(bdmm, SFX)(const T* x, int64_t ldx, const T* w, int trans, const 
    10), as do 32x10 and 16x10 (1.1-2.0, so I starts at 64). */
 static int CAT(use_dot, SFX)(int64_t I, int64_t O)
 {
-    return O * 8 <= VL * 5 && I >= 4 * VL;
+    return O <= DOTMAXO && I >= 4 * VL;
 }
 
 /* forward: w is [G][O][I] contiguous; y = x @ blockdiag(w)^T + bias. Returns 0, or a code of
@@ -411,10 +539,17 @@ INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int
 {
     V acc[16][MAXNV];
     M mk[MAXNV];
-    /* RR may exceed one vector in float64 (16 rows, 8 lanes): the bias sums take two. */
-    M mb0 = MASK(RR), mb1 = MASK(RR > VL ? RR - VL : 0);
-    V sb0 = (gb && !first) ? VLOADM(mb0, gb) : VZERO;
-    V sb1 = (gb && !first && RR > VL) ? VLOADM(mb1, gb + VL) : VZERO;
+    /* RR may exceed one vector (16 rows: two in AVX-512 float64, up to 8 in NEON float64): the
+       bias sums take NB vectors. */
+#define NBMAX ((16 + VL - 1) / VL)
+    const int NB = (RR + VL - 1) / VL;
+    M mb[NBMAX];
+    V sb[NBMAX];
+    for (int j = 0; j < NB; j++) {
+        mb[j] = MASK(RR - j * VL);
+        sb[j] = (gb && !first) ? VLOADM(mb[j], gb + j * VL) : VZERO;
+    }
+#undef NBMAX
     for (int j = 0; j < NV; j++) {
         mk[j] = MASK(iw - j * VL);
         for (int r = 0; r < RR; r++)
@@ -424,10 +559,8 @@ INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int
         V xv[MAXNV];
         for (int j = 0; j < NV; j++) xv[j] = FULL ? VLOAD(x + n * ldx + j * VL) : VLOADM(mk[j], x + n * ldx + j * VL);
         const T* gr = gy + n * ldgy;
-        if (gb) {
-            sb0 = VADD(sb0, VLOADM(mb0, gr));
-            if (RR > VL) sb1 = VADD(sb1, VLOADM(mb1, gr + VL));
-        }
+        if (gb)
+            for (int j = 0; j < NB; j++) sb[j] = VADD(sb[j], VLOADM(mb[j], gr + j * VL));
         for (int r = 0; r < RR; r++) {
             V s = VSET1(gr[r]);
             for (int j = 0; j < NV; j++) acc[r][j] = VFMA(s, xv[j], acc[r][j]);
@@ -435,15 +568,15 @@ INL void CAT(wtile, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx, int
     }
     for (int r = 0; r < RR; r++)
         for (int j = 0; j < NV; j++) VSTOREM(gw + r * ldgw + j * VL, mk[j], acc[r][j]);
-    if (gb) {
-        VSTOREM(gb, mb0, sb0);
-        if (RR > VL) VSTOREM(gb + VL, mb1, sb1);
-    }
+    if (gb)
+        for (int j = 0; j < NB; j++) VSTOREM(gb + j * VL, mb[j], sb[j]);
 }
 
 /* Output rows per weight-gradient tile: up to 16 with one vector of columns, so a 10-row
    block is one tile and x is read once per group, not twice. */
+#ifndef WRTILE
 #define WRTILE(nv) ((nv) == 1 ? 16 : (nv) == 2 ? 8 : 6)
+#endif
 
 /* gb[o] (+)= sum_n gy[n*ldgy + o], o < rr */
 static void CAT(bsum, SFX)(const T* gy, int64_t ldgy, int64_t n0, int64_t n1, T* gb, int rr, int first)
@@ -574,3 +707,22 @@ int CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx,
 #undef WRTILE
 #undef DRT
 #undef DSLOT
+#undef DOTMAXO
+/* and the includer's macro set, so that the next type (or variant) starts clean */
+#undef T
+#undef VL
+#undef V
+#undef M
+#undef VZERO
+#undef VLOADM
+#undef VLOAD
+#undef VSET1
+#undef VFMA
+#undef VADD
+#undef VSTOREM
+#undef VSTORE
+#undef IT
+#undef IV
+#undef IVLOAD
+#undef VPERM2
+#undef SFX

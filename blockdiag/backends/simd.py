@@ -1,4 +1,4 @@
-"""``simd``: blockdiag's own register-blocked AVX-512 kernels, compiled for this CPU.
+"""``simd``: blockdiag's own register-blocked SIMD kernels, compiled for this CPU.
 
 The library backends lose most of the ideal GEMM's speed on small blocks (10x10, 150x10):
 each per-group product is too small for a BLAS call to pay for itself, and the batched
@@ -19,11 +19,27 @@ block-diagonal product itself (``_simd.c`` and ``_simd_body.h`` beside this modu
   the same pass;
 - the work is spread over torch's threads with OpenMP.
 
+Three variants of the one kernel body, one per instruction set (``_simd.c``'s macro sets):
+
+- ``avx512``: AVX-512F, 16 float32 lanes, 32 registers, masked loads and stores for tails;
+- ``avx2``: AVX2 + FMA (x86-64-v3), 8 lanes, 16 registers (smaller tiles), tails through
+  ``_mm256_maskload``/``maskstore``;
+- ``neon``: aarch64 Advanced SIMD, 4 lanes, 32 registers, tails through a zero-padded buffer.
+
+The variant is chosen at first use from the CPU's features (``/proc/cpuinfo``'s flags on
+x86-64; every aarch64 CPU has Advanced SIMD), the best it supports; ``$BLOCKDIAG_SIMD_ISA``
+(``avx512``, ``avx2`` or ``neon``) forces another the CPU supports, for tests and comparisons
+(one it does not support makes the backend unavailable, saying so). :func:`variant` says which
+runs (``blockdiag explain`` prints it).
+
 How it is built and found:
 
 - The sources are compiled on first use, on the machine that runs them, with the C compiler
-  ``$CC`` (default ``cc``): ``-O3 -march=native -fopenmp``, as C (``-x c``) whatever the
-  driver, so ``CC=g++`` works too.
+  ``$CC`` (default ``cc``; gcc and clang): ``-O3`` and the variant's flags (``VARIANTS``:
+  ``-march=native -mno-avx512f -mavx2 -mfma`` for avx2, ``-march=armv8-a`` for neon) with
+  ``-fopenmp``, as C (``-x c``) whatever the driver, so ``CC=g++`` works too. When the
+  compiler has no OpenMP (``-fopenmp`` fails: clang without libomp), the kernels are built
+  without it and run on one thread (still ahead of the library backends at small sizes).
 - The shared library is cached in ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``). That
   folder and its parent are created private (mode 0700) and checked before use: owned by this
   user and writable by no one else (one of this user's that the group or others may write is
@@ -44,16 +60,19 @@ How it is built and found:
   becomes a :class:`BlockDiagError` naming the argument and its value (see ``_simd.c``); the
   Python side first refuses anything but plain strided CPU tensors with real storage, and
   resolves negative and conjugate views before taking their pointers.
-- Its name hashes the sources, the flags, the compiler's version and this CPU's model and
-  flags, so a home directory shared by different machines never loads a library built for
-  another CPU.
-- OpenMP resolves to the ``libgomp.so.1`` that torch has already loaded (the same soname),
-  so the kernels share torch's thread pool rather than starting a second one.
+- Its name holds the variant and hashes the sources, the flags, the compiler's version and
+  this CPU's model and flags, so a home directory shared by different machines never loads
+  a library built for another CPU, and each variant has its own file.
+- With gcc, OpenMP resolves to the ``libgomp.so.1`` that torch has already loaded (the same
+  soname), so the kernels share torch's thread pool rather than starting a second one (clang
+  links its own ``libomp``).
 
 The availability probe compiles (once per machine; about 10 s) and loads the library, but
 runs nothing: running OpenMP code before a ``fork`` would hang the forked child's first
 parallel op (see ``mkl_batch``). The backend is unavailable, with the reason, off Linux
-x86-64, without AVX-512F, without a C compiler, or when compiling fails. The first call in
+x86-64 and aarch64, on an x86-64 CPU with neither AVX-512F nor AVX2 and FMA, when
+``$BLOCKDIAG_SIMD_ISA`` asks for a variant this CPU cannot run, without a C compiler, or when
+compiling fails. The first call in
 a dtype checks that dtype's kernels against torch on small products (``self_check``: on
 explicit CPU tensors, outside autocast, inference mode, ``torch.func`` transforms, dispatch
 modes and ``torch.set_default_device``; the verdict cached per dtype) and raises
@@ -93,7 +112,18 @@ from .bmm import _fm_backward, bmm_fm_forward
 # changes. 2: every entry point checks its arguments and returns a code (see _simd.c).
 _ABI = 2
 _SOURCES = ("_simd.c", "_simd_body.h")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
+# Tried first; a compiler without OpenMP (clang without libomp, ...) builds the serial kernels.
+_OPENMP = "-fopenmp"
+# The kernel variants, best first, with their compiler flags (see _simd.c). avx2 turns AVX-512
+# off explicitly, so that forcing it on an AVX-512 CPU runs AVX2 code only.
+VARIANTS = {
+    "avx512": ("-march=native", "-DBD_ISA_AVX512"),
+    "avx2": ("-march=native", "-mno-avx512f", "-mavx2", "-mfma", "-DBD_ISA_AVX2"),
+    "neon": ("-march=armv8-a", "-DBD_ISA_NEON"),
+}
+_VARIANT_ISA = {"avx512": "AVX-512F", "avx2": "AVX2 and FMA", "neon": "aarch64 Advanced SIMD"}
+ISA_ENV = "BLOCKDIAG_SIMD_ISA"
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -124,7 +154,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _cpu_description() -> str:
-    """This CPU's model name and feature flags (Linux's ``/proc/cpuinfo``, first processor)."""
+    """This CPU's model and feature flags, ``"model|flags"`` (Linux's ``/proc/cpuinfo``, first processor).
+
+    x86-64 lists ``model name`` and ``flags``; aarch64 ``CPU implementer``, ``CPU part`` and
+    ``Features``.
+    """
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -133,9 +167,62 @@ def _cpu_description() -> str:
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key in ("model name", "flags") and key not in keep:
+        if key in ("model name", "flags", "CPU implementer", "CPU part", "Features") and key not in keep:
             keep[key] = value.strip()
-    return f"{keep.get('model name', '')}|{keep.get('flags', '')}"
+    model = keep.get("model name") or " ".join(keep.get(k, "") for k in ("CPU implementer", "CPU part")).strip()
+    return f"{model}|{keep.get('flags') or keep.get('Features', '')}"
+
+
+def _x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def _choose_variant(cpu: str) -> tuple[Optional[str], Optional[str]]:
+    """``(variant, None)``: the kernel variant to build for this CPU (``cpu``: ``_cpu_description()``),
+    the best it supports unless ``$BLOCKDIAG_SIMD_ISA`` names another it supports; else ``(None, why)``.
+    """
+    flags = set(cpu.split("|")[-1].split())
+    if _x86():
+        runs = [v for v, need in (("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"})) if need <= flags]
+    else:  # aarch64: Advanced SIMD is part of the base architecture
+        runs = ["neon"]
+    asked = os.environ.get(ISA_ENV, "").strip().lower()
+    if asked:
+        if asked not in VARIANTS:
+            return None, f"{ISA_ENV}={asked!r} is not a kernel variant (one of {', '.join(VARIANTS)})"
+        if asked not in runs:
+            return None, (f"{ISA_ENV}={asked} asks for the {asked} kernels, which this CPU cannot run "
+                          f"(no {_VARIANT_ISA[asked]}; it can run: {', '.join(runs) or 'none'})")
+        return asked, None
+    if not runs:
+        return None, "this CPU has neither AVX-512F nor AVX2 with FMA"
+    return runs[0], None
+
+
+# What _library() last built or found: {"variant": ..., "openmp": bool or None, "forced": bool}.
+_INFO: dict = {}
+
+
+def variant() -> Optional[str]:
+    """The kernel variant that runs here: ``"avx512"``, ``"avx2"`` or ``"neon"``; None when ``simd``
+    is unavailable (see ``blockdiag.backends()`` for why).
+
+    Chosen at first use from the CPU's features, the best it supports; ``$BLOCKDIAG_SIMD_ISA``
+    forces another the CPU supports (a lower one, for tests and comparisons). Compiles and
+    loads the kernels if that has not happened yet (about 10 s once per machine).
+    """
+    return _INFO.get("variant") if _library()[1] is None else None
+
+
+def variant_note() -> str:
+    """One line saying which kernel variant ``simd`` runs here and how, or why it is unavailable."""
+    why = _library()[1]
+    if why is not None:
+        return f"simd kernels: unavailable: {why}"
+    v = _INFO.get("variant")
+    threads = {True: "OpenMP threads", False: "serial: the compiler has no OpenMP", None: "threads unknown"}
+    forced = f", forced by {ISA_ENV}" if _INFO.get("forced") else ""
+    return f"simd kernels: {v} ({_VARIANT_ISA.get(v, v)}; {threads[_INFO.get('openmp')]}{forced})"
 
 
 def kernel_dir() -> Path:
@@ -230,24 +317,36 @@ def _damage(data: bytes) -> Optional[str]:
     return None
 
 
-def _build(cc: str, source_dir: Path, target: Path) -> Optional[str]:
+def _build(cc: str, source_dir: Path, target: Path, flags: tuple = ()) -> Optional[str]:
     """Compile the kernels into ``target`` with their build record (atomically); why it failed, or None.
 
-    Raises OSError when ``target``'s folder cannot be written.
+    ``flags``: the variant's (``VARIANTS``). With OpenMP first; when that fails, once more
+    without (the serial kernels: a compiler without OpenMP). Raises OSError when ``target``'s
+    folder cannot be written.
     """
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp: Optional[Path] = Path(name)
-    # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
-    cmd = [cc, *_FLAGS, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
     try:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"compiling the kernels with {cc} failed: {e}"
-        if done.returncode != 0:
+        why = None
+        for openmp in ((_OPENMP,), ()):
+            # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
+            cmd = [cc, *_FLAGS, *flags, *openmp, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return f"compiling the kernels with {cc} failed: {e}"
+            if done.returncode == 0:
+                why = None
+                break
             tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            return f"compiling the kernels with {cc} failed (exit {done.returncode}): {tail}"
+            why = f"compiling the kernels with {cc} failed (exit {done.returncode}): {tail}"
+            if openmp:
+                first = why
+            else:
+                why = f"{why} (and with {_OPENMP}: {first})" if first != why else why
+        if why is not None:
+            return why
         data = tmp.read_bytes()
         if not data:
             return f"the C compiler {cc} exited 0 but produced no library ({' '.join(cmd)})"
@@ -310,8 +409,13 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
         os.close(fd)
 
 
-def _entry_points(lib: ctypes.CDLL, path: Path, cc: str) -> tuple[Optional[dict], Optional[str]]:
-    """The kernels by dtype, or why ``lib`` lacks them (every symbol is looked up before use)."""
+def _entry_points(lib: ctypes.CDLL, path: Path, cc: str,
+                  variant: Optional[str] = None) -> tuple[Optional[dict], Optional[str]]:
+    """The kernels by dtype, or why ``lib`` lacks them (every symbol is looked up before use).
+
+    ``variant``: the one ``lib`` must be, when it says (``bd_isa``); whether it runs on OpenMP
+    threads (``bd_openmp``) goes to ``_INFO``.
+    """
     if not hasattr(lib, "bd_abi_version"):
         return None, (f"{path} does not export bd_abi_version (built by {cc}: not compiled as C, "
                       f"or not blockdiag's kernels)")
@@ -319,6 +423,14 @@ def _entry_points(lib: ctypes.CDLL, path: Path, cc: str) -> tuple[Optional[dict]
     abi = lib.bd_abi_version()
     if abi != _ABI:
         return None, f"{path} has kernel ABI {abi}, this blockdiag needs {_ABI}"
+    if variant is not None and hasattr(lib, "bd_isa"):
+        lib.bd_isa.restype, lib.bd_isa.argtypes = ctypes.c_char_p, []
+        built = (lib.bd_isa() or b"").decode(errors="replace")
+        if built != variant:
+            return None, f"{path} holds the {built} kernels where {variant} was built"
+    if hasattr(lib, "bd_openmp"):
+        lib.bd_openmp.restype, lib.bd_openmp.argtypes = _INT, []
+        _INFO["openmp"] = bool(lib.bd_openmp())
     found = {}
     for dtype, sfx in _SUFFIX.items():
         fns = []
@@ -332,7 +444,8 @@ def _entry_points(lib: ctypes.CDLL, path: Path, cc: str) -> tuple[Optional[dict]
     return found, None
 
 
-def _load_or_build(cc: str, source_dir: Path, path: Path) -> tuple[Optional[dict], Optional[str], bool]:
+def _load_or_build(cc: str, source_dir: Path, path: Path,
+                   variant: str = "avx512") -> tuple[Optional[dict], Optional[str], bool]:
     """The kernels from ``path``, built there first if missing or damaged: ``(kernels, why not, final)``.
 
     ``final``: the failure is the compiler's or the library's, which another folder would not change.
@@ -341,10 +454,10 @@ def _load_or_build(cc: str, source_dir: Path, path: Path) -> tuple[Optional[dict
     if os.path.lexists(path):
         lib, stale = _load(path)
         if lib is not None:
-            found, why = _entry_points(lib, path, cc)
+            found, why = _entry_points(lib, path, cc, variant)
             return found, why, True
     try:
-        why = _build(cc, source_dir, path)
+        why = _build(cc, source_dir, path, VARIANTS[variant])
     except OSError as e:
         return None, f"cannot write the compiled kernels to {path.parent}: {e}", False
     if why is not None:
@@ -352,18 +465,21 @@ def _load_or_build(cc: str, source_dir: Path, path: Path) -> tuple[Optional[dict
     lib, why = _load(path)
     if lib is None:
         return None, f"the library just built is unusable: {why}", True
-    found, why = _entry_points(lib, path, cc)
+    found, why = _entry_points(lib, path, cc, variant)
     return found, why, True
 
 
 @functools.lru_cache(maxsize=None)
 def _library() -> tuple[Optional[dict], Optional[str]]:
     """``({dtype: (forward, grad_input, grad_weight)}, None)``, or ``(None, why not)``."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"needs Linux on x86-64 (this is {sys.platform} on {platform.machine()})"
+    _INFO.clear()
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None, f"needs Linux on x86-64 or aarch64 (this is {sys.platform} on {platform.machine()})"
     cpu = _cpu_description()
-    if "avx512f" not in cpu.split("|")[-1].split():
-        return None, "this CPU has no AVX-512F"
+    chosen, why = _choose_variant(cpu)
+    if chosen is None:
+        return None, why
+    _INFO.update(variant=chosen, openmp=None, forced=bool(os.environ.get(ISA_ENV, "").strip()))
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
         return None, f"no C compiler: {os.environ.get('CC') or 'cc'} is not on PATH (set $CC)"
@@ -373,18 +489,19 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
         return None, f"cannot run the C compiler {cc}: {e}"
     source_dir = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for part in (str(_ABI), " ".join(_FLAGS), cc, version, cpu):
+    # The variant and its flags are part of the key and of the name: one library per CPU and variant.
+    for part in (str(_ABI), chosen, " ".join((*_FLAGS, *VARIANTS[chosen], _OPENMP)), cc, version, cpu):
         digest.update(part.encode() + b"\0")
     for name in _SOURCES:
         digest.update((source_dir / name).read_bytes())
-    name = f"simd-{digest.hexdigest()[:20]}.so"
+    name = f"simd-{chosen}-{digest.hexdigest()[:20]}.so"
     # The cache folder, private to this user; failing that, a new private temporary folder for
     # this process (never a predictable name in a shared folder, where another user could
     # plant a library first).
     folder = kernel_dir()
     why = _cache_folder(folder)
     if why is None:
-        found, why, final = _load_or_build(cc, source_dir, folder / name)
+        found, why, final = _load_or_build(cc, source_dir, folder / name, chosen)
         if found is not None or final:
             return found, why
     try:
@@ -392,7 +509,7 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     except OSError as e:
         return None, (f"no usable folder for the compiled kernels: {why}; "
                       f"no private temporary folder either: {e}")
-    found, why2, _ = _load_or_build(cc, source_dir, temp / name)
+    found, why2, _ = _load_or_build(cc, source_dir, temp / name, chosen)
     return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
 
 
@@ -679,6 +796,7 @@ BACKEND = register(
         fn=simd,
         dtypes={"cpu": F32_F64},
         probe=_probe,
-        summary="blockdiag's own AVX-512 kernels, compiled for this CPU: register-blocked, no layout copies",
+        summary=("blockdiag's own kernels (AVX-512, AVX2+FMA or NEON), compiled for this CPU: "
+                 "register-blocked, no layout copies"),
     )
 )
