@@ -41,6 +41,34 @@ def check_groups(fn_name: str, groups: object, in_features: int, out_features: i
     return groups
 
 
+def check_operand_kinds(fn_name: str, **tensors: object) -> None:
+    """Check that each operand is a plain strided tensor (``None`` allowed only for ``bias``).
+
+    Sparse and nested tensors would otherwise reach torch's own layout errors deep inside a
+    backend ("Sparse CSR tensors do not have strides", "NestedTensorImpl doesn't support
+    sizes"): the message here names the argument, its layout and the conversion to make.
+    """
+    for arg, t in tensors.items():
+        if t is None and arg == "bias":
+            continue
+        check(fn_name, isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        check(
+            fn_name,
+            not t.is_nested,
+            f"{arg} is a nested tensor; blockdiag's products take a strided [..., features] tensor: "
+            f"pad it ({arg}.to_padded_tensor(0.0)) or concatenate its rows (torch.cat({arg}.unbind()))",
+        )
+        layout = str(t.layout).replace("torch.", "")
+        hint = (" (for a sparse weight, keep the dense [groups, block_out, block_in] blocks and choose "
+                "backend='csr' or 'bsr')") if arg == "weight" else ""
+        check(
+            fn_name,
+            t.layout == torch.strided,
+            f"{arg} is a {layout} tensor; blockdiag's products take strided (dense) tensors: "
+            f"pass {arg}.to_dense(){hint}",
+        )
+
+
 def check_float(fn_name: str, arg: str, t: torch.Tensor) -> None:
     """Check that ``t`` has a floating-point dtype."""
     check(fn_name, t.is_floating_point(), f"{arg} must have a floating dtype, got {t.dtype}")

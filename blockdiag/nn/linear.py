@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .._checks import check, check_groups, check_same_device_dtype
+from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
 from ..backends import Problem, get
 from .. import profile as _profile
@@ -25,6 +25,7 @@ __all__ = ["GroupedLinear", "grouped_linear"]
 
 def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
     """Check the operands' shapes, devices and dtypes (no batch size read); ``(G, out, in)``."""
+    check_operand_kinds(fn, input=x, weight=weight, bias=bias)
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
@@ -113,7 +114,11 @@ def grouped_linear(
     """
     x, weight, bias = _autocast(x, weight, bias)
     if plain_eager(x, weight, bias):
-        return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+        try:
+            return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+        except Exception:
+            _explain_failure("grouped_linear", x, weight, bias)
+            raise
     return _run_op("grouped_linear", backend, x, weight, bias)
 
 
@@ -138,8 +143,7 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
     except AttributeError:
-        for arg, t in (("input", x), ("weight", weight), ("bias", bias)):
-            check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        check_operand_kinds(fn, input=x, weight=weight, bias=bias)
         raise
     auto = backend == "auto"
     ep = _settings.epoch() if auto else _settings.generation
@@ -160,6 +164,16 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             _SELECTED.clear()
         _SELECTED[key] = name
     return name
+
+
+def _explain_failure(fn: str, x, weight, bias) -> None:
+    """After the fast path raised: raise the clear error instead if an operand is the cause.
+
+    The fast path checks only on a plan-cache miss, and its key holds shapes, not layouts, so
+    a sparse or nested operand (or a non-tensor) can fail inside a kernel first. A ``try``
+    costs nothing until it raises, so the per-call path stays as it is.
+    """
+    check_operand_kinds(fn, input=x, weight=weight, bias=bias)
 
 
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,8 +198,7 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     time (see :mod:`blockdiag.ops.auto`), and a named backend's op checks at run time that
     the backend accepts the operands. Only the checks that need no data or batch run here.
     """
-    for arg, t in (("input", x), ("weight", weight), ("bias", bias)):
-        check(fn, t is None or isinstance(t, torch.Tensor), f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    check_operand_kinds(fn, input=x, weight=weight, bias=bias)
     if not _sharding._done and not torch.compiler.is_compiling():
         # Registers DTensor's rules once DTensor is loaded; never traced (it takes a lock).
         _sharding.ensure()
@@ -308,7 +321,11 @@ class GroupedLinear(nn.Module):
         """
         x, w, b = _autocast(x, self.weight, self.bias)
         if plain_eager(x, w, b):
-            return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
+            try:
+                return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
+            except Exception:
+                _explain_failure(type(self).__name__, x, w, b)
+                raise
         return _run_op(type(self).__name__, self._backend, x, w, b)
 
     def __prepare_scriptable__(self):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from .. import settings as _settings
-from .._checks import check
+from .._checks import check, check_operand_kinds
 from ..backends import get
 from ..dispatch import Plan
 from ..ops._sharding import refuse_sharded
@@ -311,6 +311,15 @@ class GroupedMLP(nn.Module):
             BlockDiagError: an input whose last dimension, dtype or device does not fit, or
                 ``strategy="fm_chain"`` on a model the chain cannot run (see the class docstring).
         """
+        try:
+            return self._forward(x)
+        except Exception:
+            # The clear error for a sparse, nested or non-tensor input, which fails inside
+            # first (no per-call check: a try costs nothing until it raises).
+            check_operand_kinds(type(self).__name__, input=x)
+            raise
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         n_in = self.in_features if self.shared_input else self.in_features * self.heads
         if x.dim() < 1 or x.shape[-1] != n_in:  # the message only when it is needed: this runs per call
             check(

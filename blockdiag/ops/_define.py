@@ -60,6 +60,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.T
 Backward = Callable[..., tuple]
 
 
+_STRIDED = torch.strided
+
+
 def plain_eager(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether a call may skip the dispatcher: plain eager tensors and nothing that observes ops.
 
@@ -72,7 +75,11 @@ def plain_eager(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         not torch.compiler.is_compiling()
         and type(x) in _PLAIN
         and type(weight) in _PLAIN
-        and (bias is None or type(bias) in _PLAIN)
+        and (bias is None or (type(bias) in _PLAIN and bias.layout is _STRIDED))
+        # The per-call plan cache keys on shapes, so a sparse operand of a cached shape must
+        # not take this path: the op path checks it and names it.
+        and x.layout is _STRIDED
+        and weight.layout is _STRIDED
         and not x.is_meta
         and _fwad._current_level < 0
         and not torch._C._are_functorch_transforms_active()

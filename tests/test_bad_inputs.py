@@ -1,0 +1,104 @@
+"""Operands blockdiag cannot take get a BlockDiagError naming the argument and what it was.
+
+Issue 22 item 11: sparse COO/CSR, nested (strided and jagged) and non-tensor operands, through
+the functional form, the layer and the MLP, for every backend and ``auto``; each also after a
+dense call of the same shape, when the per-call plan cache already holds the shape (its key
+holds shapes, not layouts).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import blockdiag
+from _params import backends_and_auto, require_backend
+from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
+
+G, I, O, N = 3, 2, 4, 5
+
+
+def _nested(layout):
+    with warnings.catch_warnings():  # "nested tensors are a prototype": expected here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(2, G * I), torch.randn(3, G * I)], layout=layout)
+
+
+def _sparse(kind, t):
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return t.to_sparse() if kind == "coo" else t.to_sparse_csr()
+
+
+# (id, input maker, pattern the message must contain)
+INPUTS = [
+    ("coo", lambda: _sparse("coo", torch.randn(N, G * I)), r"input is a sparse_coo tensor.*input\.to_dense\(\)"),
+    ("csr", lambda: _sparse("csr", torch.randn(N, G * I)), r"input is a sparse_csr tensor.*input\.to_dense\(\)"),
+    ("nested", lambda: _nested(torch.strided), r"input is a nested tensor.*to_padded_tensor"),
+    ("jagged", lambda: _nested(torch.jagged), r"input is a nested tensor.*to_padded_tensor"),
+    ("none", lambda: None, r"input must be a torch\.Tensor, got NoneType"),
+    ("list", lambda: [[0.0] * (G * I)] * N, r"input must be a torch\.Tensor, got list"),
+]
+
+
+def _entries(backend):
+    w = torch.randn(G, O, I)
+    layer = GroupedLinear(G * I, G * O, G, backend=backend)
+    mlp = GroupedMLP(I, [O], 1, heads=G, shared_input=False, backend=backend)
+    return {
+        "grouped_linear": lambda x: grouped_linear(x, w, backend=backend),
+        "GroupedLinear": layer,
+        "GroupedMLP": mlp,
+    }
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-dense-call"])
+@pytest.mark.parametrize("kind,make,pattern", [pytest.param(*c, id=c[0]) for c in INPUTS])
+@pytest.mark.parametrize("backend", backends_and_auto())
+def test_bad_input_is_named(backend, kind, make, pattern, warm):
+    require_backend(backend)
+    for fn, call in _entries(backend).items():
+        if warm:
+            call(torch.randn(N, G * I))  # the same shape, dense: the plan cache now holds it
+        with pytest.raises(BlockDiagError, match=f"{fn}: {pattern}"):
+            call(make())
+
+
+@pytest.mark.parametrize(
+    "arg,kind",
+    [(a, k) for a in ("weight", "bias") for k in ("coo", "csr", "none", "nested") if (a, k) != ("bias", "none")],
+    ids=lambda v: v,
+)
+@pytest.mark.parametrize("backend", backends_and_auto())
+def test_bad_weight_or_bias_is_named(backend, arg, kind):
+    require_backend(backend)
+    x, w, b = torch.randn(N, G * I), torch.randn(G, O, I), torch.randn(G * O)
+    grouped_linear(x, w, b, backend=backend)  # warm: the plan cache holds the shapes
+    t = {"weight": w, "bias": b}[arg]
+    if kind == "none":  # (bias=None means no bias)
+        bad, pattern = None, "weight must be a torch.Tensor, got NoneType"
+    elif kind == "nested":
+        bad = torch.nested.as_nested_tensor(list(t.unbind()))
+        pattern = f"{arg} is a nested tensor"
+    else:
+        # COO for either; CSR needs 2-D, so the bias takes COO again under another id.
+        bad = _sparse(kind if t.dim() == 2 or kind == "coo" else "coo", t if kind == "coo" else t.reshape(t.shape[0], -1))
+        pattern = f"{arg} is a sparse_(coo|csr) tensor.*{arg}\\.to_dense\\(\\)"
+    kwargs = {"weight": w, "bias": b, arg: bad}
+    with pytest.raises(BlockDiagError, match=f"grouped_linear: {pattern}"):
+        grouped_linear(x, kwargs["weight"], kwargs["bias"], backend=backend)
+
+
+def test_the_hint_for_a_sparse_weight_names_the_sparse_backends():
+    w = _sparse("coo", torch.randn(G, O, I))
+    with pytest.raises(BlockDiagError, match="backend='csr' or 'bsr'"):
+        grouped_linear(torch.randn(N, G * I), w)
+
+
+def test_bad_inputs_under_compile_are_named_too():
+    layer = GroupedLinear(G * I, G * O, G)
+    with pytest.raises(BlockDiagError, match="input must be a torch.Tensor, got NoneType"):
+        torch.compile(layer, backend="eager")(None)
+    assert blockdiag.BlockDiagError is BlockDiagError

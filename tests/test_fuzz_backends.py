@@ -1,0 +1,31 @@
+"""Every backend (and ``auto``) on hypothesis-drawn shapes, strides and operand kinds.
+
+Block sizes 1..70, column slices at offsets, column-major, negative and conjugate bits,
+expanded (stride 0) and overlapping rows, storage offsets and tensor subclasses, each compared
+with the float64 loop reference for outputs and the gradients of input, weight and bias
+(``tests/_strided.py``). The compiled kernels get more examples in test_native_hardening.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _params import backends_and_auto, require_backend
+from _strided import B_KINDS, GY_KINDS, W_KINDS, X_KINDS, check_against_reference
+
+
+@pytest.mark.parametrize("name", backends_and_auto())
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    n=st.integers(1, 9), g=st.integers(1, 3), i=st.integers(1, 70), o=st.integers(1, 70),
+    xk=st.sampled_from(X_KINDS), wk=st.sampled_from(W_KINDS), bk=st.sampled_from(B_KINDS),
+    gk=st.sampled_from(GY_KINDS), seed=st.integers(0, 2**16),
+)
+def test_every_backend_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
+    require_backend(name)
+    check_against_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed)
