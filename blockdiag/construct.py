@@ -162,7 +162,7 @@ def block_diag_csr(blocks: Blocks) -> torch.Tensor:
 
     Returns:
         ``torch.sparse_csr`` tensor ``[G*r, G*c]``; its ``values()`` are
-        ``blocks.reshape(-1)`` (differentiable w.r.t. ``blocks``).
+            ``blocks.reshape(-1)`` (differentiable w.r.t. ``blocks``).
 
     Raises:
         BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).
@@ -219,7 +219,7 @@ def block_diag_coo(blocks: Blocks) -> torch.Tensor:
 
     Returns:
         coalesced ``torch.sparse_coo`` tensor ``[G*r, G*c]`` whose values are
-        ``blocks.reshape(-1)``.
+            ``blocks.reshape(-1)``.
 
     Raises:
         BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).

@@ -46,3 +46,53 @@ class DocstringsForMarkdown(Extension):
     def on_object(self, *, obj: Object, **kwargs) -> None:
         if obj.docstring is not None:
             obj.docstring.value = fence_doctests(_ROLE.sub(_role, obj.docstring.value))
+
+
+def check(package: str = "blockdiag", search_path: str = ".") -> list[str]:
+    """Parse every docstring of ``package`` as the site does; return griffe's warnings.
+
+    The site build only parses the docstrings it renders; this parses all of them (with the
+    options of mkdocs.yml), so a malformed section is found before a page starts rendering it.
+    """
+    import logging
+
+    import griffe
+
+    messages: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    log = logging.getLogger("griffe")
+    handler = _Collect()
+    log.addHandler(handler)
+    try:
+        pkg = griffe.load(
+            package,
+            search_paths=[search_path],
+            docstring_parser="google",
+            extensions=griffe.load_extensions(DocstringsForMarkdown),
+        )
+
+        def walk(obj):
+            yield obj
+            for member in obj.members.values():
+                if not member.is_alias:
+                    yield from walk(member)
+
+        for obj in walk(pkg):
+            if obj.docstring is not None:
+                obj.docstring.parse("google", warn_missing_types=False, returns_multiple_items=False)
+    finally:
+        log.removeHandler(handler)
+    return messages
+
+
+if __name__ == "__main__":
+    import sys
+
+    found = check()
+    print("\n".join(found) or "no griffe warnings")
+    sys.exit(1 if found else 0)

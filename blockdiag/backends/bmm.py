@@ -6,16 +6,12 @@ weight as stored (or through its transposed view); only the output is written on
 
 * ``bmm`` computes ``[G, N, in] @ [G, in, out]`` (the weight as the transposed operand);
 * ``bmm_fm`` ("feature-major") computes ``W [G, out, in] @ x^T [G, in, N]``, so each GEMM
-  streams along the batch; on CPU it wins most small-block and training cases.
+  streams along the batch, and its result ``[G, out, N]`` is already a (transposed) view
+  of ``[N, G*out]``.
 
-Which is faster depends on shape and mode, so both are registered and ``auto`` picks by the
-measured table (``blockdiag tune``). In the built-in CPU table ``bmm`` itself is the fastest
-at no point: ``simd`` wins 70 of the 83 forward points and ``bmm_fm`` the other 13 (most
-256x256 points, and B=32 with 10x150 or 64x256 blocks), and, in training, ``simd`` (68),
-``bmm_fm_bmm`` (``bmm_fm``'s forward with ``bmm``'s backward below; 8) and ``mkl_batch`` (4)
-took the points ``bmm`` had (``bmm_fm`` itself wins one, B=32 G=16 10x150). On CUDA (the built-in H200 table) ``bmm`` wins
-2 of 48 forward and 4 of 48 training points; it stays registered as the plainest batched
-form.
+Which is faster depends on shape, mode and device, so both are registered and ``auto``
+picks by the measured table (``blockdiag tune``); ``bmm`` also stays as the plainest
+batched form.
 
 ``bmm``'s backward (``blockdiag.ops.generic_backward``) forms the weight gradient as
 ``gy_g^T @ x_g``, which gives ``[G, out, in]``, the weight's own layout, where autograd would

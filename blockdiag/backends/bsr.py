@@ -13,10 +13,9 @@ blocks larger than 1x1 (the ``csr`` backend is the same layout then).
 
 On CUDA the sub-block side is also capped at :data:`CUDA_MAX_SUBBLOCK` (64): the largest
 divisor of ``gcd(out, in)`` not above it (:func:`subblock_side`). With 256x256 sub-blocks
-torch's Triton kernel (torch 2.11, Triton 3.6, one H200) never returned from its first
-float32 call and failed the bfloat16 one with ``OutOfResources`` (262,144 bytes of shared
-memory asked for, 232,448 there); 64x64 sub-blocks ran at every point of the tuning grid.
-A 256x256 block is then 16 stored 64x64 sub-blocks: the same values, no zeros added.
+torch's Triton kernel hung in float32 and asked for more shared memory than an H200 has in
+bfloat16 (``OutOfResources``); 64x64 sub-blocks run. A 256x256 block is then 16 stored
+64x64 sub-blocks: the same values, no zeros added.
 """
 
 from __future__ import annotations

@@ -5,21 +5,19 @@ forward and, worse, the whole input gradient once in backward (``split``'s backw
 ``cat``). Here every per-group product is an ``addmm``/``mm`` with ``out=`` a strided view
 of one preallocated tensor: a ``[N, o]`` slice of ``[N, G*o]`` has strides ``(G*o, 1)``,
 which BLAS takes as a leading dimension, so nothing is copied, in forward or backward.
-For few, large per-group GEMMs in training (large batches) that backward beats a batched
+For few, large per-group GEMMs in training (large batches) that backward can beat a batched
 matmul's, which pays for a ``[G, N, in]`` input-gradient buffer and its transpose; the
-forward does not beat ``bmm_fm``'s. So in the built-in table ``bmm_fm_loop`` (``bmm_fm``'s
-forward, this backward) wins those points and ``loop`` itself one in each mode (B=2048 with
-64x256 blocks: training G=16, 15% ahead; forward G=50, 0.4% ahead). It stays registered as
-the backend that accepts every problem (``auto`` always has a plan) and the plainest
-reference of the product.
+forward rarely beats ``bmm_fm``'s, so ``bmm_fm_loop`` pairs ``bmm_fm``'s forward with this
+backward. ``loop`` stays registered as the backend that accepts every problem (``auto``
+always has a plan) and the plainest reference of the product; where it wins is in the
+measured table (the docs' "which backend when" table is generated from it).
 
 The weight gradient is the exception: one ``bmm`` of ``gy_g^T [G, out, N]`` by ``x_g [G, N, in]``
-(both strided views, and the result is ``[G, out, in]`` as the weight is stored). Measured
-against ``G`` per-group ``mm`` calls over the bench grid (CPU, 2 threads) it was 1.1-15x
-faster for that product alone and never slower, and the whole training step 1.0-1.3x faster.
-Per-group ``mm`` writes stay for the output and the input gradient: those are the large
-``[N, G*in]``/``[N, G*out]`` tensors, and a batched product would need a second buffer and
-a transposing copy.
+(both strided views, and the result is ``[G, out, in]`` as the weight is stored): one
+batched call instead of ``G`` small ones, never slower than per-group ``mm`` calls where it
+was measured. Per-group ``mm`` writes stay for the output and the input gradient: those are
+the large ``[N, G*in]``/``[N, G*out]`` tensors, and a batched product would need a second
+buffer and a transposing copy.
 
 The kernels are the ops ``blockdiag::loop`` and ``blockdiag::loop_backward``; under
 ``create_graph=True`` the backward is computed from differentiable ops instead of ``out=``

@@ -26,28 +26,18 @@ are passed as 64-bit integers holding values below ``2**31``: on little-endian x
 reads correctly under both the LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the
 constraint declines sizes that would not fit 32 bits.
 
-In the built-in CPU table (``blockdiag tune --full --mode both --max-gflop 20``, 2 threads)
-it is the fastest at 4 of 83 training points, where the copies it saves are large (256x256
-blocks at B=256 with G >= 16, and at B=2048 G=4), and at no forward point. Before ``simd``
-existed it won 27 training and 11 forward points; ``simd`` took the small-block ones, and
-once its weight gradient kept its accumulators in registers, the 64x64 and 150x10 ones too. At small products MKL's batched call costs more than torch's kernels
-(without autograd, 5-7 us more at B=32 with 10x10 and 64x64 blocks, 18 us at B=256 G=16
-10x10), so ``auto`` picks by the measured table. Under ``create_graph=True`` its backward is
+It wins where the copies it saves are large (large blocks at large batches); at small
+products MKL's batched call costs more per call than torch's kernels, so ``auto`` picks by
+the measured table. Under ``create_graph=True`` its backward is
 ``bmm``'s, written in differentiable ops, so double backward works (and ``auto``, which
 picks this backend for training, stays usable for gradient penalties). Empty problems (a
 zero batch or block side) run ``bmm_fm``'s torch ops, which give the right empty or
 bias-only result and gradients.
 
 The kernels are reached only through the ops ``blockdiag::mkl_batch`` and
-``blockdiag::mkl_batch_backward``, which ``torch.compile`` treats as opaque. Before they
-were ops, dynamo traced into ``_gemm`` itself: it compiled its NumPy pointer arithmetic into
-torch ops (dynamo's NumPy interop) and broke the graph four times inside the call (the
-``lru_cache``, ``.ctypes.data``, the ctypes call), running the pieces in between as separate
-graphs; the integer arrays printed correct values at the call, yet MKL rejected its
-arguments ("Parameter 2 was incorrect on entry to cblas_sgemm_batch") and left the output
-unwritten (garbage up to 1e37), and a first call made while compiling ran the self-check the
-same way and reported MKL unusable. Which of the rebuilt arguments MKL read wrongly was not
-pinned down; the fix keeps dynamo out of the kernel's Python entirely, and
+``blockdiag::mkl_batch_backward``, which ``torch.compile`` treats as opaque: dynamo must not
+trace into ``_gemm``, whose NumPy pointer arithmetic it would rebuild as torch ops, breaking
+the graph around the ctypes call and handing MKL arguments it rejects.
 ``tests/test_transforms.py`` compiles this backend against the reference.
 """
 

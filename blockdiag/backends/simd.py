@@ -22,8 +22,9 @@ block-diagonal product itself (``_simd.c`` and ``_simd_body.h`` beside this modu
 Three variants of the one kernel body, one per instruction set (``_simd.c``'s macro sets):
 
 - ``avx512``: AVX-512F, 16 float32 lanes, 32 registers, masked loads and stores for tails;
-- ``avx2``: AVX2 + FMA (x86-64-v3), 8 lanes, 16 registers (smaller tiles), tails through
-  ``_mm256_maskload``/``maskstore``;
+- ``avx2``: AVX2 + FMA (x86-64-v3), 8 lanes, 16 registers (smaller tiles), tails loaded
+  through ``_mm256_maskload`` and stored in 128-, 64- and 32-bit pieces (a masked store is
+  slow on AMD Zen);
 - ``neon``: aarch64 Advanced SIMD, 4 lanes, 32 registers, tails through a zero-padded buffer.
 
 The variant is chosen at first use from the CPU's features (``/proc/cpuinfo``'s flags on
@@ -39,7 +40,7 @@ How it is built and found:
   ``-march=native -mno-avx512f -mavx2 -mfma`` for avx2, ``-march=armv8-a`` for neon) with
   ``-fopenmp``, as C (``-x c``) whatever the driver, so ``CC=g++`` works too. When the
   compiler has no OpenMP (``-fopenmp`` fails: clang without libomp), the kernels are built
-  without it and run on one thread (still ahead of the library backends at small sizes).
+  without it and run on one thread.
 - The shared library is cached in ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``). That
   folder and its parent are created private (mode 0700) and checked before use: owned by this
   user and writable by no one else (one of this user's that the group or others may write is

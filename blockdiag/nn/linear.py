@@ -304,7 +304,7 @@ class GroupedLinear(nn.Module):
 
         Returns:
             the :class:`Plan`: for ``backend="auto"`` the one :func:`blockdiag.choose`
-            gives, else the named backend with its reason.
+                gives, else the named backend with its reason.
 
         Raises:
             BlockDiagError: an input the layer cannot run (shape, dtype, device), or a named
@@ -405,8 +405,8 @@ class GroupedLinear(nn.Module):
 
         Returns:
             an ``nn.ModuleList`` of ``groups`` ``nn.Linear(block_in, block_out)`` on this
-            layer's device and dtype; ``torch.cat([l(x_g) ...], -1)`` over the input's
-            slices equals this layer's output.
+                layer's device and dtype; ``torch.cat([l(x_g) ...], -1)`` over the input's
+                slices equals this layer's output.
         """
         _sharding.refuse_sharded("GroupedLinear.to_linears", self)
         out = nn.ModuleList()

@@ -595,7 +595,7 @@ class GroupedMLP(nn.Module):
 
         Returns:
             a ``GroupedMLP`` on the heads' device and dtype, activations deep-copied from
-            ``heads[0]``.
+                ``heads[0]``.
 
         Raises:
             BlockDiagError: empty input, heads that differ in structure or shape (the
@@ -682,7 +682,7 @@ class GroupedMLP(nn.Module):
 
         Returns:
             an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear)``
-            (activations deep-copied) on this model's device and dtype.
+                (activations deep-copied) on this model's device and dtype.
 
         Raises:
             BlockDiagError: a distributed model (DTensor parameters, e.g. group parallel):

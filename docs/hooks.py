@@ -1,0 +1,657 @@
+"""The docs site's generated sections: every table of backends, winners and timings.
+
+Used as an mkdocs hook (``hooks:`` in mkdocs.yml). A marker in a page is replaced, when the
+site is built, by Markdown generated from the code and from committed measurements, so no
+count, winner or timing in the docs is typed by hand:
+
+``<!-- support-matrix -->``
+    dtypes, backward and shape rules of every backend, from the registry.
+``<!-- which-backend -->``
+    which backend the built-in table picks, by device, block shape and mode, and how
+    often each backend is the fastest there (``blockdiag/_defaults.json``).
+``<!-- builtin-tables -->``
+    the machines the built-in table was measured on.
+``<!-- decision-map -->``
+    the decision-map picture (or how to draw it).
+``<!-- api-reference -->``
+    one API entry per name in ``blockdiag.__all__``.
+``<!-- bench: FILE -->``
+    a ``blockdiag bench --json`` file from ``docs/results/``: its machine and command, the
+    summary per mode, each backend's standing and, folded, every point.
+``<!-- bench-compiled: FILE -->``, ``<!-- bench-distributed: FILE -->``,
+``<!-- bench-summaries: FILE -->``, ``<!-- allocator: FILE -->``
+    the other result files (``bench --compiled``, ``scripts/bench_distributed.py``, earlier
+    bench summaries, the allocator comparison).
+``<!-- results-index -->``
+    every file in ``docs/results/`` with the command that wrote it.
+``<!-- explain: ARGS -->``
+    what ``blockdiag explain ARGS`` prints on the machine building the docs, with the
+    built-in table.
+
+Run as a script to print the generated sections: ``python docs/hooks.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+RESULTS = DOCS / "results"
+# Document the checkout being built, not whatever blockdiag happens to be installed.
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+import blockdiag
+from blockdiag import profile as _profile
+from blockdiag.backends._registry import Problem, names, registry
+
+DEVICES = ("cpu", "cuda")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Shapes that exercise the shape rules backends declare (empty batch, one group, thin and
+# square blocks, sizes that are not multiples of 8 or 16).
+PROBES = [
+    Problem(b, g, i, o, torch.float32, dev, grad)
+    for b, g, (i, o), dev, grad in itertools.product(
+        (0, 1, 32), (1, 4, 50), ((150, 10), (64, 64), (10, 10), (6, 4)), DEVICES, (False, True)
+    )
+]
+MAP = DOCS / "img" / "decision-map.png"
+MODES = (("forward", "forward"), ("train", "training"))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _geomean(values) -> float:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def _cell(backend, device: str, dtype: torch.dtype) -> str:
+    ok = backend.dtypes.get(device, frozenset())
+    if dtype not in ok:
+        return "–"
+    if not backend.grad:
+        return "fwd"
+    return "fwd + bwd²" if getattr(backend, "double_grad", True) else "fwd + bwd"
+
+
+def _shape_rules(backend) -> str:
+    if backend.constraint is None:
+        return "none"
+    why = backend.unavailable_reason()
+    if why:
+        # The registry asks a constraint only of an available backend: it may need the package.
+        return f"not probed (unavailable where these docs were built: {why})"
+    reasons = []
+    for p in PROBES:
+        if p.device not in backend.dtypes:
+            continue
+        why = backend.constraint(p)
+        if why and why not in reasons:
+            reasons.append(why)
+    return "; ".join(reasons) if reasons else "none on the probed shapes"
+
+
+def support_matrix_markdown() -> str:
+    """The support tables as Markdown."""
+    reg = registry()
+    tables = []
+    for device in DEVICES:
+        head = f"| backend ({device}) | layout | " + " | ".join(_short(t) for t in DTYPES) + " |"
+        rows = [head, "|" + "---|" * (2 + len(DTYPES))]
+        for n in names():
+            b = reg[n]
+            layout = "sparse" if b.sparse else "dense"
+            cells = " | ".join(_cell(b, device, t) for t in DTYPES)
+            rows.append(f"| `{n}` | {layout} | {cells} |")
+        tables.append("\n".join(rows))
+    table = "\n\n".join(tables)
+    legend = (
+        "*fwd + bwd*: forward and backward (gradients for input, weight and bias), first-order "
+        "only (a `create_graph=True` backward raises `BlockDiagError`); *fwd + bwd²*: the "
+        "backward is itself differentiable (double backward, gradient penalties); *fwd*: "
+        "forward only; *–*: declined (`auto` skips it, a fixed `backend=` raises "
+        "`BlockDiagError` with the reason). *sparse* backends are candidates for `auto` "
+        "only above the sparsity threshold."
+    )
+
+    notes = ["| backend | needs | shape rules (why it declines a problem) | summary |", "|---|---|---|---|"]
+    for n in names():
+        b = reg[n]
+        needs = f"`{b.requires.replace('_', '-')}`" if b.requires else "torch only"
+        notes.append(f"| `{n}` | {needs} | {_shape_rules(b)} | {b.summary} |")
+    return f"{table}\n\n{legend}\n\n{chr(10).join(notes)}\n"
+
+
+# --------------------------------------------------------------------------- the built-in table
+
+
+def _builtin() -> dict:
+    return json.loads(_profile.DEFAULTS_PATH.read_text())
+
+
+def _entry_label(key: str, entry: dict) -> str:
+    """A short column title: the machine, and the SIMD variant its CPU times were taken with."""
+    name = re.sub(r"\s*\(\d+ threads?\)", "", entry.get("device_name", key.split("|")[0]))
+    name = re.sub(r"\(R\)|\bProcessor\b|\bCPU\b", "", name).replace("  ", " ").strip()
+    if entry.get("device") == "cpu":
+        variant = entry.get("simd_variant") or (key.split("|")[3] if key.count("|") >= 3 else "")
+        isa = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON"}.get(variant, variant)
+        return f"{name} CPU, {isa}" if isa else f"{name} CPU"
+    return name
+
+
+def _entries_in_order(table: dict):
+    """Entries by device type (CPU first), the table's named default of each type first."""
+    defaults = set(table.get("defaults", {}).values())
+    entries = table["entries"]
+    return sorted(entries.items(), key=lambda kv: (kv[1].get("device") != "cpu", kv[0] not in defaults, kv[0]))
+
+
+def _winners(entry: dict):
+    """(mode, block) -> Counter of the fastest backend over that entry's measured points."""
+    out: dict = {}
+    for m in entry["measurements"]:
+        times = m.get("times_us") or {}
+        if not times:
+            continue
+        best = min(times, key=times.get)
+        out.setdefault((m["mode"], (m["block_in"], m["block_out"])), Counter())[best] += 1
+    return out
+
+
+def _counter_text(c: Counter) -> str:
+    if len(c) == 1:
+        return f"`{next(iter(c))}`"
+    return ", ".join(f"`{n}` {k}" for n, k in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def which_backend_markdown() -> str:
+    """By block shape and machine: the backend(s) the built-in table has fastest, per mode."""
+    table = _builtin()
+    entries = _entries_in_order(table)
+    wins = {key: _winners(e) for key, e in entries}
+    blocks = sorted({blk for w in wins.values() for (_, blk) in w}, key=lambda b: (b[0] * b[1], b))
+    head = "| block (in x out) | " + " | ".join(_entry_label(k, e) for k, e in entries) + " |"
+    rows = [head, "|---|" + "---|" * len(entries)]
+    for blk in blocks:
+        cells = []
+        for key, _ in entries:
+            parts = []
+            for mode, label in MODES:
+                c = wins[key].get((mode, blk))
+                parts.append(f"{label}: {_counter_text(c)}" if c else f"{label}: not measured")
+            cells.append("<br>".join(parts))
+        rows.append(f"| {blk[0]}x{blk[1]} | " + " | ".join(cells) + " |")
+
+    # Per backend: at how many measured points it is the fastest, in each entry and mode.
+    counts = {key: {mode: Counter() for mode, _ in MODES} for key, _ in entries}
+    totals = {key: Counter() for key, _ in entries}
+    for key, _ in entries:
+        for (mode, _blk), c in wins[key].items():
+            counts[key][mode].update(c)
+            totals[key][mode] += sum(c.values())
+    head2 = "| backend | " + " | ".join(
+        f"{_entry_label(k, e)} (of {totals[k]['forward']} / {totals[k]['train']})" for k, e in entries
+    ) + " |"
+    rows2 = [head2, "|---|" + "---|" * len(entries)]
+    for n in names():
+        cells = []
+        for key, _ in entries:
+            f, t = counts[key]["forward"][n], counts[key]["train"][n]
+            cells.append("–" if not (f or t) else f"{f} / {t}")
+        rows2.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    grid = sorted({(m["batch"], m["groups"]) for _, e in entries for m in e["measurements"]})
+    batches = ", ".join(str(b) for b in sorted({b for b, _ in grid}))
+    groups = ", ".join(str(g) for g in sorted({g for _, g in grid}))
+    return (
+        "\n".join(rows)
+        + "\n\n"
+        + f"Each cell names the fastest backend at the table's points for that block (batch "
+        f"{batches} x groups {groups}, float32), with how many points each won where more than "
+        "one did. A backend absent from a machine's column was slower everywhere there, or "
+        "cannot run on it.\n\n"
+        + "How many points each backend is the fastest at (forward / training):\n\n"
+        + "\n".join(rows2)
+        + "\n"
+    )
+
+
+def builtin_tables_markdown() -> str:
+    """The machines the built-in table was measured on, one row per entry."""
+    table = _builtin()
+    defaults = table.get("defaults", {})
+    rows = [
+        ("| entry | device name | torch | `simd` variant | points (forward / training) | measured | "
+         "settings it implies | used |"),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, e in _entries_in_order(table):
+        ms = e["measurements"]
+        nf = sum(m["mode"] == "forward" for m in ms)
+        nt = sum(m["mode"] == "train" for m in ms)
+        s = e.get("settings", {})
+        st = "<br>".join(f"`{k}={v}`" for k, v in sorted(s.items())) or "–"
+        used = "default for " + e["device"] if defaults.get(e["device"]) == key else "on a device of this name"
+        rows.append(
+            f"| {_entry_label(key, e)} | {e.get('device_name', '')} | {e.get('torch', '')} | "
+            f"{e.get('simd_variant') or '–'} | {nf} / {nt} | "
+            f"{str(e.get('created', ''))[:10]} | {st} | {used} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def decision_map_markdown() -> str:
+    if MAP.exists():
+        return (
+            "![Decision map: the backend auto picks per (groups, block) shape]"
+            "(img/decision-map.png)\n"
+        )
+    return (
+        '!!! note "Decision map not generated yet"\n'
+        "    Generate it on the machine you care about with\n"
+        "    `blockdiag tune --plot docs/img/decision-map.png`; the docs build picks it up.\n"
+    )
+
+
+# --------------------------------------------------------------------------- API reference
+
+
+def _docstring_markdown(doc: str) -> str:
+    """A Google-style docstring as Markdown: ``>>>`` examples fenced, section titles bold."""
+    out, in_example = [], False
+    for line in inspect.cleandoc(doc).splitlines():
+        if line.startswith((">>>", "...")) and not in_example:
+            out.append("```pycon")
+            in_example = True
+        if in_example and not line.strip():
+            out.append("```")
+            in_example = False
+        if not in_example and line.rstrip(":") in ("Args", "Returns", "Raises") and line.endswith(":"):
+            line = f"**{line}**"
+        out.append(line)
+    if in_example:
+        out.append("```")
+    return "\n".join(out)
+
+
+def _manual_entry(name: str, obj) -> str:
+    sig = re.sub(r"\bblockdiag(\.\w+)*\.(?=[A-Z])", "", str(inspect.signature(obj)))
+    return (
+        f"## `{name}` {{ #blockdiag.{name} }}\n\n"
+        f"```python\nblockdiag.{name}{sig}\n```\n\n{_docstring_markdown(obj.__doc__ or '')}\n"
+    )
+
+
+def api_reference_markdown() -> str:
+    """One mkdocstrings entry per public name, in ``blockdiag.__all__`` order."""
+    out = []
+    for name in blockdiag.__all__:
+        obj = getattr(blockdiag, name)
+        if name == "__version__":
+            out.append(f"## `__version__`\n\nThe package version, `{obj!r}` in this build.\n")
+        elif not inspect.ismodule(obj) and importlib.util.find_spec(f"blockdiag.{name}") is not None:
+            # A public function named like a subpackage (``blockdiag.backends()``): static
+            # analysis would document the subpackage, so render the function from runtime.
+            out.append(_manual_entry(name, obj))
+        else:
+            out.append(f"::: blockdiag.{name}\n")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- results/*.json
+
+
+def _load(name: str) -> dict:
+    path = RESULTS / name
+    if not path.exists():
+        raise FileNotFoundError(f"docs: a page names docs/results/{name}, which does not exist")
+    return json.loads(path.read_text())
+
+
+def _git_added(name: str) -> str:
+    """'<date>, commit <hash>' of the commit that last changed a result file, or ''."""
+    try:
+        run = subprocess.run(
+            ["git", "log", "-1", "--format=%cs %h", "--", f"docs/results/{name}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=10, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if run.returncode != 0:  # not a git checkout (an sdist, a copy of the docs)
+        return ""
+    out = run.stdout.split()
+    return f"committed {out[0]} in `{out[1]}`" if len(out) == 2 else "not committed yet"
+
+
+def _command(argv) -> str:
+    if not argv:
+        return ""
+    if argv and isinstance(argv[0], list):  # merged per-point runs: show the first, generalised
+        argv = argv[0]
+    args = list(argv)
+    if "--json" in args:
+        i = args.index("--json")
+        args[i + 1] = "FILE.json"
+    return "blockdiag " + " ".join(args)
+
+
+def _provenance(d: dict, name: str) -> str:
+    bits = [f"**Machine**: {d.get('device_name', '?')}"]
+    if d.get("threads") and "thread" not in str(d.get("device_name", "")):
+        bits.append(f"{d['threads']} threads")
+    bits.append(f"torch {d.get('torch', '?')}, {d.get('dtype', '?')}")
+    when = []
+    if d.get("created"):
+        when.append(f"measured {str(d['created'])[:10]}")
+    if d.get("commit"):
+        when.append(f"blockdiag at `{str(d['commit'])[:10]}`")
+    added = _git_added(name)
+    if added:
+        when.append(added)
+    alloc = d.get("allocator_env")
+    env = "allocator: defaults" if not alloc else "allocator: " + ", ".join(f"`{k}={v}`" for k, v in alloc.items())
+    stat = f"{d.get('statistic', 'median')} of {d.get('rounds', '?')} interleaved rounds"
+    if d.get("refine"):
+        stat += f", near-ties (within {d['refine']:.0%}) refined"
+    lines = [", ".join(bits) + f"; {stat}; {env}.", ""]
+    if when:
+        lines += [f"**When**: {'; '.join(when)}.", ""]
+    cmd = _command(d.get("argv"))
+    if cmd:
+        lines += [f"**Command**: `{cmd}` (file: `docs/results/{name}`)", ""]
+    if d.get("note"):
+        lines += [str(d["note"]), ""]
+    return "\n".join(lines)
+
+
+def _fmt(v, spec=".3f", suffix="") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:{spec}}{suffix}"
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
+SUMMARY_ROWS = (
+    ("points", "points measured", lambda s: str(s.get("points", "–"))),
+    ("a", "`auto` over the fastest: geometric mean, worst (where)",
+     lambda s: f"{_fmt(s.get('geomean_auto_over_fastest'))}, {_fmt(s.get('max_auto_over_fastest'), '.2f')}"
+     f" ({s.get('worst_point', '–')})"),
+    ("w", "points where `auto` is within 1.10 of the fastest",
+     lambda s: f"{s.get('within_1.10', '–')} of {s.get('points', '–')}"),
+    ("c", "the choice alone (its backend forced) over the fastest: geometric mean; within 1.10",
+     lambda s: f"{_fmt(s.get('geomean_choice_over_fastest'))}; {s.get('choice_within_1.10', '–')}"),
+    ("k", "`auto` over its backend's bare kernel (the dispatch's cost), geometric mean",
+     lambda s: _fmt(s.get("geomean_auto_over_kernel"))),
+    ("i", "fraction of the ideal dense GEMM's speed, median", lambda s: _pct(s.get("median_fraction_of_ideal"))),
+    ("l", "speed-up over the `nn.Linear` loop: geometric mean (minimum)",
+     lambda s: f"{_fmt(s.get('geomean_speedup_vs_nn_linear_loop'), '.2f', 'x')} "
+     f"({_fmt(s.get('min_speedup_vs_nn_linear_loop'), '.2f', 'x')})"),
+    ("v", "speed-up over `vmap` ensembling: geometric mean (minimum)",
+     lambda s: f"{_fmt(s.get('geomean_speedup_vs_vmap'), '.2f', 'x')} "
+     f"({_fmt(s.get('min_speedup_vs_vmap'), '.2f', 'x')})"),
+    ("b", "the built-in table's choice over the fastest (under a profile)",
+     lambda s: _fmt(s.get("geomean_builtin_choice_over_fastest"))),
+)
+
+
+def _point(r) -> str:
+    return f"B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']}"
+
+
+def bench_markdown(name: str) -> str:
+    """A ``blockdiag bench --json`` file: provenance, summary, backends' standing, every point."""
+    d = _load(name)
+    rows = d["rows"]
+    modes = [(m, label) for m, label in MODES if any(r["mode"] == m for r in rows)]
+    summ = d.get("summary", {})
+    out = [_provenance(d, name)]
+    present = [(key, label, fn) for key, label, fn in SUMMARY_ROWS
+               if key != "b" or any("geomean_builtin_choice_over_fastest" in summ.get(m, {}) for m, _ in modes)]
+    out.append("| | " + " | ".join(label for _, label in modes) + " |")
+    out.append("|---|" + "---|" * len(modes))
+    for _key, label, fn in present:
+        out.append(f"| {label} | " + " | ".join(fn(summ.get(m, {})) for m, _ in modes) + " |")
+    out.append("")
+
+    # Each backend's standing: fastest at how many points, its time over the fastest.
+    backends = sorted({b for r in rows for b in r["times_us"]}, key=lambda n: (names().index(n) if n in names() else 99, n))
+    out.append("| backend | " + " | ".join(
+        f"{label}: fastest at | {label}: time over the fastest, geometric mean (worst)" for _, label in modes) + " |")
+    out.append("|---|" + "---|---|" * len(modes))
+    for b in backends:
+        cells = []
+        for m, _ in modes:
+            ratios = [r["times_us"][b] / r["times_us"][r["fastest"]] for r in rows
+                      if r["mode"] == m and b in r["times_us"] and r["fastest"] in r["times_us"]]
+            wins = sum(1 for r in rows if r["mode"] == m and r["fastest"] == b)
+            total = sum(1 for r in rows if r["mode"] == m)
+            if not ratios:
+                why = next((r["skipped"][b] for r in rows if r["mode"] == m and b in r.get("skipped", {})), "not run")
+                cells += ["–", why.removeprefix("skipped: ")]
+            else:
+                cells += [f"{wins} of {total}", f"{_geomean(ratios):.2f} ({max(ratios):.2f})"]
+        out.append(f"| `{b}` | " + " | ".join(cells) + " |")
+    out.append("")
+
+    for m, label in modes:
+        pts = [r for r in rows if r["mode"] == m]
+        out.append(f'??? note "Every {label} point ({len(pts)})"')
+        out.append("")
+        out.append("    | point | `auto` ran | fastest | `auto` / fastest | choice / fastest | "
+                   "x `nn.Linear` loop | x vmap | % of ideal |")
+        out.append("    |---|---|---|---|---|---|---|---|")
+        for r in pts:
+            t = r["times_us"]
+            choice = t.get(r["auto"])
+            fastest = t.get(r["fastest"])
+            base = r.get("baselines_us") or {}
+            loop = base.get("nn_linear_loop")
+            vmap = base.get("vmap")
+            auto = r.get("auto_us")
+            out.append(
+                f"    | {_point(r)} | `{r['auto']}` | `{r['fastest']}` | {_fmt(r.get('auto_over_fastest'), '.2f')} | "
+                f"{_fmt(choice / fastest if choice and fastest else None, '.2f')} | "
+                f"{_fmt(loop / auto if loop and auto else None, '.2f', 'x')} | "
+                f"{_fmt(vmap / auto if vmap and auto else None, '.2f', 'x')} | {_pct(r.get('fraction_of_ideal'))} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def bench_compiled_markdown(name: str) -> str:
+    """A ``blockdiag bench --compiled --json`` file: compiled against eager and the compiled peers."""
+    d = _load(name)
+    comp = d.get("compiled", {})
+    out = [_provenance(d, name).replace("**Command**", "**Command** (one of its points)")]
+    out.append(
+        f"Compiler `{comp.get('compiler', 'inductor')}`, `dynamic={comp.get('dynamic')}`; models: "
+        + ", ".join(f"`{m}`" for m in comp.get("models", [])) + ".\n"
+    )
+    out.append("| mode | model | points | compiled over eager: geometric mean (worst) | "
+               "compiled over the best compiled peer: geometric mean (worst) | points slower than that peer |")
+    out.append("|---|---|---|---|---|---|")
+    for mode, models in d.get("summary", {}).items():
+        for model, s in models.items():
+            out.append(
+                f"| {mode} | {model} | {s.get('points')} | {_fmt(s.get('geomean_compiled_over_eager'), '.2f')} "
+                f"({_fmt(s.get('max_compiled_over_eager'), '.2f')}) | "
+                f"{_fmt(s.get('geomean_compiled_over_best_peer'), '.2f')} "
+                f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')} |"
+            )
+    out.append("")
+    return "\n".join(out)
+
+
+def bench_distributed_markdown(name: str) -> str:
+    """``scripts/bench_distributed.py --json``: its machine, settings and table."""
+    d = _load(name)
+    m = d.get("machine", {})
+    load = m.get("loadavg_before"), m.get("loadavg_after")
+    loadtxt = ""
+    if all(load):
+        loadtxt = f"; load average {load[0][0]:.1f} before and {load[1][0]:.1f} after the run"
+    when = _git_added(name)
+    out = [
+        (f"**Machine**: {m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores, Python {m.get('python', '?')}, "
+         f"torch {m.get('torch', '?')}, blockdiag {m.get('blockdiag', '?')}{loadtxt}. "
+         + (f"**When**: {when}. " if when else "")
+         + f"**Command**: `python {d.get('command', '')}` (file: `docs/results/{name}`)."),
+        "",
+        d["table_markdown"].strip(),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def bench_summaries_markdown(name: str) -> str:
+    """Summaries of earlier full-grid benches with the built-in table (``summaries`` list)."""
+    d = _load(name)
+    out = [str(d.get("description", "")).strip(), ""]
+    for machine in dict.fromkeys(s["machine"] for s in d["summaries"]):
+        runs = [s for s in d["summaries"] if s["machine"] == machine]
+        out.append(f"**{machine}**\n")
+        tables = {s.get("table", "built-in") for s in runs}
+        table_col = len(tables) > 1
+        if not table_col:
+            out.append(f"Table: {next(iter(tables))}.\n")
+        metrics = [f"{label}: {col}" for _, label in MODES
+                   for col in ("`auto` / fastest", "choice / fastest", "% of ideal", "x `nn.Linear` loop")]
+        head = ["date", "state of blockdiag"] + (["table"] if table_col else []) + metrics
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for s in runs:
+            cells = [s.get("date", ""), s["state"]] + ([s.get("table", "built-in")] if table_col else [])
+            for mode, _ in MODES:
+                v = s.get(mode, {})
+                cells += [_fmt(v.get("geomean_auto_over_fastest")), _fmt(v.get("geomean_choice_over_fastest")),
+                          _pct(v.get("median_fraction_of_ideal")),
+                          _fmt(v.get("geomean_speedup_vs_nn_linear_loop"), ".2f", "x")]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def allocator_markdown(name: str) -> str:
+    """The allocator comparison: one training step per backend under each setting."""
+    d = _load(name)
+    settings = d["settings"]
+    out = [
+        (f"`{d['command']}` ({d['machine']}, torch {d['torch']}, {d['dtype']}, measured {d['measured']}; "
+         f"file: `docs/results/{name}`), one run per setting, back to back:"),
+        "",
+    ]
+    out.append("| training step, " + d["shape"] + " | " + " | ".join(settings) + " |")
+    out.append("|---|" + "---|" * len(settings))
+    for row in d["rows"]:
+        out.append(
+            f"| {row['point']}: " + " / ".join(f"`{b}`" for b in d["backends"]) + " | "
+            + " | ".join(" / ".join(f"{row['ms'][s][b]:.1f}" for b in d["backends"]) + " ms" for s in settings)
+            + " |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def explain_markdown(args: str) -> str:
+    """What ``blockdiag explain ARGS`` prints here with the built-in table (no user profile)."""
+    import argparse
+    import tempfile
+
+    from blockdiag.dispatch import choose
+    from blockdiag.settings import config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--groups", type=int, required=True)
+    ap.add_argument("--block", required=True)
+    ap.add_argument("--train", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(args.split())
+    bi, bo = (int(v) for v in a.block.lower().split("x"))
+    problem = Problem(a.batch, a.groups, bi, bo, torch.float32, a.device, a.train)
+    with tempfile.TemporaryDirectory() as tmp, config(profile=str(Path(tmp) / "none.json")):
+        text = str(choose(problem))
+    if a.device == "cpu":
+        from blockdiag.backends import simd
+
+        text += "\n" + simd.variant_note()
+    return f"```text\n$ blockdiag explain {args}\n{text}\n```\n"
+
+
+def results_index_markdown() -> str:
+    """Every result file and the command that wrote it."""
+    rows = ["| file | what | command |", "|---|---|---|"]
+    for path in sorted(RESULTS.glob("*.json")):
+        d = json.loads(path.read_text())
+        if "compiled" in d:
+            what, cmd = "`bench --compiled`", _command(d.get("argv")) + " (one point of several)"
+        elif "rows" in d and "summary" in d:
+            what, cmd = "`bench`", _command(d.get("argv"))
+        elif "table_markdown" in d:
+            what, cmd = "`scripts/bench_distributed.py`", "python " + d.get("command", "")
+        elif "summaries" in d:
+            what, cmd = "earlier bench summaries", d.get("command", "")
+        else:
+            what, cmd = d.get("what", "measurements"), d.get("command", "")
+        rows.append(f"| `{path.name}` | {what} | `{cmd}` |")
+    return "\n".join(rows) + "\n"
+
+
+_FILE_MARKERS = {
+    "bench": bench_markdown,
+    "bench-compiled": bench_compiled_markdown,
+    "bench-distributed": bench_distributed_markdown,
+    "bench-summaries": bench_summaries_markdown,
+    "allocator": allocator_markdown,
+}
+_EXPLAIN = re.compile(r"<!-- explain: ([\w\s.\-]+?) -->")
+_FILE_MARKER = re.compile(r"<!-- (" + "|".join(map(re.escape, _FILE_MARKERS)) + r"): ([\w.\-]+) -->")
+_MARKERS = {
+    "<!-- support-matrix -->": support_matrix_markdown,
+    "<!-- which-backend -->": which_backend_markdown,
+    "<!-- builtin-tables -->": builtin_tables_markdown,
+    "<!-- decision-map -->": decision_map_markdown,
+    "<!-- api-reference -->": api_reference_markdown,
+    "<!-- results-index -->": results_index_markdown,
+}
+
+
+def render(markdown: str) -> str:
+    """Replace every marker in a page's Markdown with its generated section."""
+    for marker, fn in _MARKERS.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, fn())
+    markdown = _EXPLAIN.sub(lambda m: explain_markdown(m.group(1)), markdown)
+    return _FILE_MARKER.sub(lambda m: _FILE_MARKERS[m.group(1)](m.group(2)), markdown)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """mkdocs hook: fill in the generated sections."""
+    return render(markdown)
+
+
+if __name__ == "__main__":
+    print(which_backend_markdown())
+    print(builtin_tables_markdown())
+    print(support_matrix_markdown())
+    print(results_index_markdown())
