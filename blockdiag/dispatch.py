@@ -37,10 +37,11 @@ plan depends on may have changed, so a cached plan is never checked, only looked
 - the five environment variables the chooser reads (``BLOCKDIAG_*`` and
   ``XDG_CACHE_HOME``, which name the settings and the profile's path). The environment
   cannot tell anyone it changed, so :func:`epoch` reads them on every call, straight from
-  ``os.environ``'s mapping (about 25 ns each): a change is seen at the next call.
+  ``os.environ``'s mapping (a dictionary lookup each, no system call): a change is seen at
+  the next call.
 
 Two more things change without telling anyone, and are dearer to look at: the profile
-files, which another process can rewrite (a ``stat`` each, about 1 us), and the thread count
+files, which another process can rewrite (a ``stat`` system call each), and the thread count
 (``torch.set_num_threads``, part of the CPU profile's key). :func:`epoch` looks at them at
 most every :data:`blockdiag.profile.RECHECK_S` seconds (1 s; one ``time.monotonic`` per call
 decides), and at the first call after any bump: it stats each file a plan was built from,
@@ -54,15 +55,15 @@ computed is returned but not kept. ``choose`` reads no tensor and takes no lock 
 dictionary operations are atomic under the GIL), so it can be called from any thread and
 from inside a registered op at run time. The per-call memo of ``GroupedLinear``
 (``nn/linear.py``) keys on the operands and the same epoch, so it needs no checks of its own
-either: its hit path costs one ``epoch()`` call (about 0.3 us, most of ``auto``'s cost over a
-named backend) and one dictionary lookup.
+either: its hit path costs one ``epoch()`` call (a few dictionary lookups and one clock
+read: most of what ``auto`` costs over a named backend) and one dictionary lookup.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from . import settings as _config
 from . import profile as _profile
@@ -71,7 +72,7 @@ from .backends import Backend, Problem, get, names
 from .settings import epoch
 
 __all__ = [
-    "Plan", "Candidate", "choose", "builtin_plan", "plan_for", "cached_plan", "epoch", "FALLBACK_ORDER",
+    "Plan", "Candidate", "choose", "candidates", "exclusions", "settings_exclusion", "builtin_plan", "plan_for", "cached_plan", "epoch", "FALLBACK_ORDER",
     "NEIGHBOURS", "nearest_measurements", "blended_times",
 ]
 
@@ -90,13 +91,11 @@ SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")
 
 # Off-grid shapes are ranked from this many nearest measurements, not only the nearest: a
 # shape between grid points (B=128 between 32 and 256, G=8 between 4 and 16) otherwise
-# takes one neighbour's winner, and the winner changes along batch and groups. Checked
-# against the built-in CPU table (docs/tuning.md, "Off the grid"): on 12 off-grid training
-# shapes the choice went from 1.043x to 1.003x the fastest on geometric mean (worst 1.30x
-# to 1.04x), and on 24 other ones, not used to pick the number, from 1.032x to 1.014x
-# (within 1.10x: 20 to 22 of 24); any number from 4 to 12 gives about the same. Leaving
-# each table point out in turn and predicting it from the rest: 1.024x (nearest only)
-# against 1.026x (6), so the grid's own shapes lose nothing.
+# takes one neighbour's winner, and the winner changes along batch and groups (see
+# docs/design.md, "Ranking between measured shapes"). Checked against the built-in CPU
+# table on off-grid shapes: blending several neighbours brought the choice closer to the
+# fastest than the nearest alone did, any number from 4 to 12 about equally, and the grid's
+# own shapes (each left out in turn and predicted from the rest) lost nothing.
 NEIGHBOURS = 6
 
 
@@ -249,13 +248,115 @@ def builtin_plan(problem: Problem) -> Plan:
     return _rank(problem, _resolved_settings(entry, "built-in table"), _profile.BUILTIN_SOURCE, entry)
 
 
-def _auto_plan(problem: Problem) -> Plan:
+def _table_in_force(problem: Problem) -> tuple[Optional[dict], str, str]:
+    """``(entry, source, label)``: the table ``auto`` ranks ``problem`` by now."""
     # The profile's path is a setting (config, set_config, $BLOCKDIAG_PROFILE; None: the
     # default location), so the epoch covers it like the others.
     path = _config.resolve("profile")[0]
     entry, source, _ = _profile.cached_entry(problem.device, problem.dtype, path)
     label = "built-in table" if source == _profile.BUILTIN_SOURCE else "tuning profile"
+    return entry, source, label
+
+
+def _auto_plan(problem: Problem) -> Plan:
+    entry, source, label = _table_in_force(problem)
     return _rank(problem, _resolved_settings(entry, label), source, entry)
+
+
+def _screen(
+    problem: Problem, backends: Optional[Iterable[str]], settings: Optional[dict], fn_name: str
+) -> tuple[list[str], dict[str, str]]:
+    """The one filter: ``(names that may run, {name: why not})``, in the order given.
+
+    Each backend is asked why it declines ``problem`` (:meth:`Backend.decline_reason`),
+    then :func:`settings_exclusion` applies the crossovers ``settings`` (None: only the
+    rule that a forward-only duplicate is ranked under its original's name).
+    """
+    ok: list[str] = []
+    notes: dict[str, str] = {}
+    for name in names() if backends is None else backends:
+        b = get(name, fn_name, auto_valid=False)
+        why = b.decline_reason(problem) or settings_exclusion(b, problem, settings)
+        if why is None:
+            ok.append(name)
+        else:
+            notes[name] = why
+    return ok, notes
+
+
+def _screen_settings(problem: Problem, table: Optional[dict], crossovers: bool) -> Optional[dict]:
+    if not crossovers:
+        return None
+    label = "tuning profile"
+    if table is None:
+        table, _, label = _table_in_force(problem)
+    return {k: v for k, v, _ in _resolved_settings(table, label)}
+
+
+def candidates(
+    problem: Problem,
+    backends: Optional[Iterable[str]] = None,
+    *,
+    table: Optional[dict] = None,
+    crossovers: bool = True,
+) -> list[str]:
+    """The backends :func:`choose` considers for ``problem``, in registration order.
+
+    The same filter ``choose`` applies before it ranks: every backend that declines the
+    problem (device, dtype, no backward, shape rule, package missing) or that the
+    settings' crossovers exclude (:func:`settings_exclusion`) is left out.
+    :func:`exclusions` gives the reasons for the rest.
+
+    >>> from blockdiag.backends import Problem
+    >>> p = Problem(256, 50, 10, 10, requires_grad=True)
+    >>> choose(p).backend in candidates(p) and "loop" in candidates(p)
+    True
+
+    Args:
+        problem: a :class:`~blockdiag.backends.Problem`.
+        backends: the names to screen, in this order (default: every registered backend).
+        table: a profile entry whose settings apply, as if it were the tuning profile in
+            force (default: the table ``auto`` uses now, with the settings in force).
+        crossovers: ``False`` leaves out the settings' crossovers, keeping only what each
+            backend declares and the rule that a forward-only duplicate
+            (``same_forward_as``) is not screened without autograd: the backends that
+            ``tune`` and ``bench`` time, since the crossovers are derived from those times.
+
+    Returns:
+        the names that pass, a list.
+
+    Raises:
+        BlockDiagError: an unknown name in ``backends`` (listing the valid ones).
+    """
+    return _screen(problem, backends, _screen_settings(problem, table, crossovers), "candidates")[0]
+
+
+def exclusions(
+    problem: Problem,
+    backends: Optional[Iterable[str]] = None,
+    *,
+    table: Optional[dict] = None,
+    crossovers: bool = True,
+) -> dict[str, str]:
+    """Why each backend that :func:`candidates` leaves out is left out.
+
+    >>> from blockdiag.backends import Problem
+    >>> exclusions(Problem(8, 4, 4, 4), ["loop", "bmm_fm_loop"])
+    {'bmm_fm_loop': "without autograd it is bmm_fm's forward, ranked under that name"}
+
+    Args:
+        problem: a :class:`~blockdiag.backends.Problem`.
+        backends: the names to screen (default: every registered backend).
+        table: as for :func:`candidates`.
+        crossovers: as for :func:`candidates`.
+
+    Returns:
+        ``{name: reason}`` for each name left out, in the order screened.
+
+    Raises:
+        BlockDiagError: an unknown name in ``backends`` (listing the valid ones).
+    """
+    return _screen(problem, backends, _screen_settings(problem, table, crossovers), "exclusions")[1]
 
 
 # The one plan cache: (backend, problem, epoch()) -> Plan. Entries of past epochs are dropped
@@ -311,10 +412,16 @@ def cached_plan(backend: str, problem: Problem, fn_name: str = "GroupedLinear") 
     return plan
 
 
-def settings_exclusion(b: Backend, p: Problem, s: dict) -> Optional[str]:
-    """Why the chooser's settings (or a forward-only duplicate) exclude ``b`` from ``p``, or None."""
+def settings_exclusion(b: Backend, p: Problem, s: Optional[dict]) -> Optional[str]:
+    """Why the chooser's settings (or a forward-only duplicate) exclude ``b`` from ``p``, or None.
+
+    ``s`` maps each of :data:`SETTINGS_USED` to its value; None applies only the
+    forward-only duplicate rule (``Backend.same_forward_as``).
+    """
     if b.same_forward_as is not None and not p.requires_grad:
         return f"without autograd it is {b.same_forward_as}'s forward, ranked under that name"
+    if s is None:
+        return None
     if b.sparse and p.sparsity < s["sparsity_threshold"]:
         return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
     if b.dense_matrix:
@@ -379,16 +486,7 @@ def blended_times(p: Problem, entry: Optional[dict]) -> tuple[dict[str, float], 
 
 
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
-    s = {k: v for k, v, _ in settings}
-    notes: dict[str, str] = {}
-    ok: list[str] = []
-    for name in names():
-        b = get(name)
-        why = b.decline_reason(p) or settings_exclusion(b, p, s)
-        if why is None:
-            ok.append(name)
-        else:
-            notes[name] = why
+    ok, notes = _screen(p, None, {k: v for k, v, _ in settings}, "choose")
 
     estimates, used = blended_times(p, entry)
     exact = bool(used) and used[0][0] == 0.0

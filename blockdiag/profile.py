@@ -16,9 +16,11 @@ the dtype. A CPU entry records the ``simd`` kernel variant it was measured with
 machine runs another variant, ``simd``'s times in it describe other kernels and are dropped
 (:func:`fit_variant`: ``simd`` then ranks by the fallback order), and the built-in table
 prefers an entry measured with the running variant (keyed ``...|<dtype>|<variant>``). Without one it uses the built-in table shipped in ``blockdiag/_defaults.json``
-(measured on a 2-core CPU). A missing file is silent; a corrupt file, or one holding only
-entries for another torch version or device (stale), gives one warning per file and falls
-back to the defaults: ``auto`` never crashes on a profile.
+(measured on a 2-core CPU). A missing file is silent; a corrupt file, one holding only
+entries for another torch version or device (stale), a path naming something other than a
+regular file (a FIFO, a device, a directory: never opened for reading, so never blocks) or a
+file over :data:`MAX_PROFILE_BYTES` gives one warning per file and falls back to the
+defaults: ``auto`` never crashes, or hangs, on a profile.
 
 What was read is cached until it may have changed: a profile written (:func:`save_entry`)
 or forgotten (:func:`clear_cache`) in this process starts a new chooser epoch at once; a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -57,6 +60,7 @@ __all__ = [
     "changed_on_disk",
     "save_entry",
     "clear_cache",
+    "merge_entry",
 ]
 
 # How long the chooser trusts its last look at the profile files (and the thread count):
@@ -171,12 +175,53 @@ _SETTING_RANGES = {
 }
 
 
+# The largest profile file read. A real one is a few hundred KiB (one entry per device,
+# torch and dtype, a few hundred points each); a path naming something far larger (a disk
+# image, a log) is a mistake, and reading it whole would exhaust memory.
+MAX_PROFILE_BYTES = 64 * 2**20
+
+# Reasons a file was not read at all (as opposed to read and found corrupt): their
+# warning says "is not read" and what the path names.
+_NOT_READ = ("not a regular file", "too large")
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _too_large(size: int) -> str:
+    return f"too large: it is {size} bytes, over the {MAX_PROFILE_BYTES} bytes ({MAX_PROFILE_BYTES >> 20} MiB) a profile may be"
+
+
 @functools.lru_cache(maxsize=16)
 def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
+    # Only a regular file of bounded size is read: opening a FIFO blocks until a writer
+    # comes (forever, in every ``auto`` forward), and reading a device such as /dev/zero
+    # never ends. The path is checked before it is opened (opening some devices has
+    # effects), and the opened file again (the path may have been replaced in between),
+    # opened non-blocking so that even a FIFO swapped in then cannot block the open.
     try:
-        with open(path) as f:
-            return _validate(json.load(f), path), None
-    # json.JSONDecodeError is a ValueError; a deeply nested document raises RecursionError.
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"not a regular file: it is {_file_kind(st.st_mode)}"
+        if st.st_size > MAX_PROFILE_BYTES:
+            return None, _too_large(st.st_size)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, f"not a regular file: it is {_file_kind(st.st_mode)}"
+            data = f.read(MAX_PROFILE_BYTES + 1)
+        if len(data) > MAX_PROFILE_BYTES:  # grew since the stat
+            return None, _too_large(len(data))
+        return _validate(json.loads(data), path), None
+    # json.JSONDecodeError (and a UnicodeDecodeError) is a ValueError; a deeply nested
+    # document raises RecursionError.
     except (OSError, ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
 
@@ -229,7 +274,10 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
     p = str(path or default_profile_path())
     doc, err = read_profile(p)
     if err is not None:
-        _warn_once(p, f"tuning profile {p} is corrupt ({err})")
+        if err.startswith(_NOT_READ):
+            _warn_once(p, f"tuning profile {p} is not read, {err}")
+        else:
+            _warn_once(p, f"tuning profile {p} is corrupt ({err})")
     elif doc is not None:
         key = profile_key(device, dtype)
         entry = doc["entries"].get(key)
@@ -303,7 +351,7 @@ def cached_entry(device: str, dtype: torch.dtype, path: Path | str | None = None
 
     Returns:
         ``(entry, source, signature)``: ``signature`` is the profile's path and what a stat
-        said about it and about the built-in table when they were read.
+            said about it and about the built-in table when they were read.
     """
     _settings.epoch()  # the periodic look at the files, for callers other than the chooser
     p = str(path or default_profile_path())
@@ -412,17 +460,22 @@ def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
 def save_entry(entry: dict, path: Path | str | None = None) -> Path:
     """Merge ``entry`` into the profile at ``path`` atomically (temp file, then rename).
 
-    A corrupt existing file is replaced (its content could not be used anyway).
+    A corrupt existing file is replaced (its content could not be used anyway); a path
+    naming something other than a regular file (a FIFO, a device, a directory) is not.
 
     Returns:
         the path written.
 
     Raises:
         BlockDiagError: if the entry is malformed (nothing is written, and ``auto`` does not
-            see it), or the directory cannot be created or written.
+            see it), the path names something other than a regular file, or the directory
+            cannot be created or written.
     """
     p = Path(path or default_profile_path())
-    doc, _ = read_profile(p)
+    doc, err = read_profile(p)
+    if err is not None and err.startswith("not a regular file"):
+        # Renaming a file over a FIFO or a device would silently replace it.
+        raise BlockDiagError(f"save_entry: refusing to write {p}: {err}")
     # read_profile's document is the cached one that auto reads: merge into a copy, so that
     # an entry refused below never reaches auto.
     doc = {"format": FORMAT, "version": VERSION, "entries": {}} if doc is None else {**doc, "entries": dict(doc["entries"])}
@@ -470,3 +523,43 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+# What describes one tune run in an entry's ``runs`` list.
+RUN_FIELDS = ("created", "statistic", "rounds", "threads", "allocator_env", "rematched")
+
+# ``runs`` keeps the most recent this many (an entry tuned point by point for months stays small).
+MAX_RUNS = 50
+
+
+def _run_record(entry: dict) -> dict:
+    rec = {k: entry[k] for k in RUN_FIELDS if k in entry}
+    # One short string a point: the built-in table is read in review, point by point.
+    rec["points"] = [f"{m['mode']} B={m['batch']} G={m['groups']} {m['block_in']}x{m['block_out']}"
+                     for m in entry["measurements"]]
+    return rec
+
+
+def merge_entry(old: Optional[dict], new: dict) -> dict:
+    """``new`` plus the measurements of ``old`` at points ``new`` did not measure.
+
+    The entry's own fields (``created``, ``rounds``, ``rematched``, ...) describe the latest
+    run; ``runs`` lists every run merged into it, oldest first, each with those fields and
+    the points it measured, so that a point re-tuned with more rounds is told apart from
+    the rest.
+    """
+    from .tuning.tune import derive_settings  # tuning imports this module: import it at call time
+
+    if not old:
+        return new
+
+    def key(m):
+        return (m["mode"], m["batch"], m["groups"], m["block_in"], m["block_out"])
+
+    seen = {key(m) for m in new["measurements"]}
+    kept = [m for m in old.get("measurements", []) if key(m) not in seen]
+    out = dict(new)
+    out["measurements"] = kept + list(new["measurements"])
+    out["settings"] = derive_settings(out["measurements"])
+    out["runs"] = (list(old.get("runs") or [_run_record(old)]) + [_run_record(new)])[-MAX_RUNS:]
+    return out

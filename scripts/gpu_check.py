@@ -108,7 +108,7 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except ImportError as e:
             env[mod] = f"not installed ({e})"
-    env["backends"] = {b.name: (b.reason or "available") for b in blockdiag.backends()}
+    env["backends"] = {b.name: (b.reason or "available") for b in blockdiag.list_backends()}
     return env
 
 

@@ -401,7 +401,7 @@ def test_auto_never_picks_a_failing_backend(device, n, g, i, o, grad, dtype):
 
 
 def test_registry_lists_every_backend_with_availability():
-    infos = blockdiag.backends()
+    infos = blockdiag.list_backends()
     assert [b.name for b in infos] == list(names())
     assert {"loop", "dense", "bmm", "conv", "csr", "bsr"} <= {b.name for b in infos}
     for b in infos:
@@ -532,7 +532,7 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
         from blockdiag.backends import get
         expected = sys.argv[1].split(",") if sys.argv[1] else []
         assert all(get(n).unavailable_reason() is None for n in expected), expected
-        blockdiag.backends()
+        blockdiag.list_backends()
         blockdiag.choose(blockdiag.Problem(256, 50, 10, 10, requires_grad=True))
         pid = os.fork()
         if pid == 0:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blockdiag
-from blockdiag import BlockDiagError, Problem, choose, profile
+from blockdiag import BlockDiagError, Problem, choose, dispatch, profile
 from blockdiag.backends import Backend, _registry, names
 from blockdiag.backends._registry import FLOATS
 from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurements, plan_for
@@ -414,6 +414,50 @@ def test_tune_skips_a_forward_duplicate_in_forward_mode():
     assert "without autograd" in skipped["bmm_fm_loop"]
     ok, _ = _runnable(Problem(32, 4, 10, 10, requires_grad=True), None)
     assert "bmm_fm_loop" in ok
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("shape", [(256, 50, 10, 10), (32, 4, 10, 10), (8, 256, 64, 64), (2048, 1, 150, 10)])
+def test_candidates_are_what_choose_ranks(shape, requires_grad):
+    # One filter: the plan's runnable candidates are exactly candidates(), in the same
+    # set, and exclusions() gives each declined candidate's note.
+    p = Problem(*shape, requires_grad=requires_grad)
+    plan = choose(p)
+    ok = dispatch.candidates(p)
+    assert sorted(c.name for c in plan.candidates if c.ok) == sorted(ok)
+    assert plan.backend in ok
+    assert ok == [n for n in _registry.names() if n in ok]  # registration order
+    assert dispatch.exclusions(p) == {c.name: c.note for c in plan.candidates if not c.ok}
+
+
+def test_candidates_follow_the_settings_and_a_given_table():
+    p = Problem(256, 50, 10, 10)
+    assert "csr" not in dispatch.candidates(p)
+    with blockdiag.config(sparsity_threshold=0.5):
+        assert "csr" in dispatch.candidates(p)
+    assert "csr" in dispatch.candidates(p, table={"settings": {"sparsity_threshold": 0.5}})
+    # Without the crossovers: what tune times (the forward-only duplicate still left out).
+    free = dispatch.candidates(p, crossovers=False)
+    assert "csr" in free and "dense" in free and "bmm_fm_loop" not in free
+    assert dispatch.candidates(p, ["bmm", "loop"]) == ["bmm", "loop"]
+    with pytest.raises(BlockDiagError, match="candidates: unknown backend 'nope'"):
+        dispatch.candidates(p, ["nope"])
+
+
+def test_the_double_backward_hint_is_derived_from_the_registry(monkeypatch):
+    from blockdiag.backends._registry import double_grad_backends, double_grad_hint
+
+    declared = [n for n in _registry.names() if _registry.get(n).double_grad and _registry.get(n).grad]
+    assert double_grad_backends() == declared
+    assert all(f"'{n}'" in double_grad_hint() for n in declared)
+    assert "'csr'" not in double_grad_hint()
+    assert double_grad_backends("cuda") == [n for n in declared if "cuda" in _registry.get(n).dtypes]
+    extra = dataclasses.replace(_registry.get("loop"), name="my_double")
+    _registry.register(extra)
+    try:
+        assert "'my_double'" in double_grad_hint("cpu")
+    finally:
+        _registry.unregister("my_double")
 
 
 def test_same_forward_as_must_name_a_registered_backend():

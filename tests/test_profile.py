@@ -295,3 +295,84 @@ def test_the_plan_names_the_machine_its_table_was_measured_on(tmp_path):
         plan = choose(Problem(256, 50, 10, 10))
     assert plan.measured_on == f"{profile.device_name('cpu')}, torch {torch.__version__}"
     assert f"table:   tuning profile {path} (measured on {plan.measured_on})" in str(plan)
+
+
+# A profile path naming a FIFO used to block ``open()`` forever (in every ``auto`` forward
+# and in ``explain``), and /dev/zero to raise MemoryError. These run in a subprocess with a
+# timeout, so that a regression fails instead of hanging the suite.
+_SPECIAL_FILE_SCRIPT = r"""
+import sys, warnings
+import torch, blockdiag
+from blockdiag import cli, profile
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as rec:
+    torch.manual_seed(0)
+    layer = blockdiag.GroupedLinear(4 * 3, 4 * 2, groups=4)  # backend "auto"
+    x = torch.randn(5, 12)
+    y = layer(x)
+    layer(x)
+    ref = torch.cat([x[:, 3 * g:3 * g + 3] @ layer.weight[g].T for g in range(4)], 1) + layer.bias
+    assert torch.allclose(y, ref, atol=1e-5), (y - ref).abs().max()
+    assert cli.main(["explain", "--batch", "8", "--groups", "4", "--block", "3x2",
+                     "--profile", sys.argv[1]]) == 0
+warned = [str(w.message) for w in rec if issubclass(w.category, profile.ProfileWarning)]
+print("WARNINGS", len(warned))
+for m in warned:
+    print("MESSAGE", m)
+"""
+
+
+def _run_with_profile(path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BLOCKDIAG_PROFILE": str(path)}
+    try:
+        r = subprocess.run([sys.executable, "-c", _SPECIAL_FILE_SCRIPT, str(path)], env=env,
+                           capture_output=True, text=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading the profile {path} hung")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_profile_warns_once_and_never_blocks(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    out = _run_with_profile(fifo)
+    assert "WARNINGS 1\n" in out, out
+    assert f"tuning profile {fifo} is not read, not a regular file: it is a FIFO" in out, out
+    assert "built-in defaults" in out  # explain's plan names its source
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/zero"), reason="no /dev/zero")
+def test_dev_zero_as_profile_warns_once_instead_of_memory_error():
+    out = _run_with_profile("/dev/zero")
+    assert "WARNINGS 1\n" in out, out
+    assert "tuning profile /dev/zero is not read, not a regular file: it is a character device" in out, out
+
+
+def test_a_directory_as_profile_warns_once(tmp_path):
+    d = tmp_path / "adir"
+    d.mkdir()
+    with pytest.warns(ProfileWarning, match=f"{re.escape(str(d))} is not read, not a regular file: it is a directory") as rec:
+        _, src = load(d)
+        load(d)
+    assert len(rec) == 1 and src == "built-in defaults"
+    with pytest.raises(BlockDiagError, match="refusing to write .*not a regular file"):
+        profile.save_entry(entry([point(loop=1.0)]), d)
+
+
+def test_a_huge_profile_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:  # sparse: no disk is used
+        f.truncate(profile.MAX_PROFILE_BYTES + 1)
+    with pytest.warns(ProfileWarning, match=f"{re.escape(str(path))} is not read, too large: it is {profile.MAX_PROFILE_BYTES + 1} bytes") as rec:
+        _, src = load(path)
+        load(path)
+    assert len(rec) == 1 and src == "built-in defaults"

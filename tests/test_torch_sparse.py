@@ -37,7 +37,7 @@ def hide_torch_sparse(monkeypatch):
 
 
 def test_missing_package_is_reported(hide_torch_sparse):
-    info = {b.name: b for b in blockdiag.backends()}["torch_sparse"]
+    info = {b.name: b for b in blockdiag.list_backends()}["torch_sparse"]
     assert not info.available
     assert info.reason == "torch-sparse is not installed"
     why = get("torch_sparse").decline_reason(Problem(8, 4, 3, 3))
@@ -71,7 +71,7 @@ def test_import_and_other_backends_work_without_the_package():
         "for n in names():\n"
         "    if get(n).decline_reason(blockdiag.Problem(5, 4, 3, 2)) is None:\n"
         "        torch.testing.assert_close(blockdiag.grouped_linear(x, w, backend=n), ref)\n"
-        "info = {b.name: b for b in blockdiag.backends()}['torch_sparse']\n"
+        "info = {b.name: b for b in blockdiag.list_backends()}['torch_sparse']\n"
         "assert not info.available, info\n"
         "print(blockdiag.GroupedLinear(12, 8, 4)(x).shape)\n"
     )

@@ -325,12 +325,38 @@ def first_order_only(backward: Callable) -> Callable:
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
+            device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), None)
             raise BlockDiagError(
                 f"{getattr(ctx, 'backend_name', 'this backend')}: the backward is first-order only and "
-                "cannot be differentiated again (create_graph=True); use backend 'bmm', 'bmm_fm', "
-                "'dense' or 'loop' for double backward"
+                "cannot be differentiated again (create_graph=True); "
+                f"{double_grad_hint(device)}"
             )
         return backward(ctx, *grads)
 
     return wrapper
 
+
+def double_grad_backends(device: Optional[str] = None) -> list[str]:
+    """The registered backends whose backward is itself differentiable (``double_grad``).
+
+    Read from each :class:`Backend`'s declaration, so a backend registered later is
+    listed too. ``device`` (a device type) keeps those that run on it.
+
+    The chooser does not read ``double_grad``: whether a backward will be differentiated
+    again (``create_graph=True``) is not known when the forward is planned, so
+    :class:`Problem` carries no such flag; a first-order backend refuses the second
+    backward instead (:func:`first_order_only`), and the message lists these backends.
+    """
+    return [
+        b.name for b in _REGISTRY.values()
+        if b.double_grad and b.grad and (device is None or device in b.dtypes)
+    ]
+
+
+def double_grad_hint(device: Optional[str] = None) -> str:
+    """``"use backend 'a', 'b' or 'c' for double backward"``, from :func:`double_grad_backends`."""
+    ok = double_grad_backends(device)
+    if not ok:
+        return "no registered backend supports double backward"
+    listed = ", ".join(map(repr, ok[:-1])) + (f" or {ok[-1]!r}" if len(ok) > 1 else repr(ok[0]))
+    return f"use backend {listed} for double backward"

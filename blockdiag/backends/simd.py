@@ -206,7 +206,7 @@ _INFO: dict = {}
 
 def variant() -> Optional[str]:
     """The kernel variant that runs here: ``"avx512"``, ``"avx2"`` or ``"neon"``; None when ``simd``
-    is unavailable (see ``blockdiag.backends()`` for why).
+    is unavailable (see ``blockdiag.list_backends()`` for why).
 
     Chosen at first use from the CPU's features, the best it supports; ``$BLOCKDIAG_SIMD_ISA``
     forces another the CPU supports (a lower one, for tests and comparisons). Compiles and

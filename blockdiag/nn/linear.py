@@ -295,7 +295,7 @@ class GroupedLinear(nn.Module):
         """The backend this layer uses for ``x`` and why (print it for a report).
 
         >>> layer = GroupedLinear(20, 20, groups=2)
-        >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.backends()]
+        >>> layer.plan(torch.randn(8, 20)).backend in [b.name for b in blockdiag.list_backends()]
         True
 
         Args:

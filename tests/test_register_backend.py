@@ -1,0 +1,113 @@
+"""The public registry: ``register_backend`` / ``unregister_backend``, the docs' example, ``list_backends``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import blockdiag
+from blockdiag import Backend, BlockDiagError, Problem
+from blockdiag.dispatch import candidates, choose
+from blockdiag.testing import reference_loop
+
+ROOT = Path(__file__).resolve().parents[1]
+F32 = {"cpu": frozenset({torch.float32, torch.float64})}
+
+
+def _einsum(x, weight, bias):
+    g, o, i = weight.shape
+    y = torch.einsum("ngi,goi->ngo", x.view(x.shape[0], g, i), weight).reshape(x.shape[0], g * o)
+    return y if bias is None else y + bias
+
+
+@pytest.fixture
+def einsum_backend():
+    b = blockdiag.register_backend(Backend("test_einsum", _einsum, dtypes=F32, summary="einsum"))
+    yield b
+    if "test_einsum" in blockdiag.backends.names():
+        blockdiag.unregister_backend("test_einsum")
+
+
+def test_docs_extending_example_runs():
+    # docs/extending.md includes this file: the page's code is what runs here.
+    r = subprocess.run([sys.executable, str(ROOT / "docs" / "extending_example.py")],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "einsum" in r.stdout and "already registered" in r.stdout
+
+
+def test_a_registered_backend_runs_by_name_with_gradients(einsum_backend):
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = blockdiag.grouped_linear(x, w, b, backend="test_einsum")
+    torch.testing.assert_close(y, reference_loop(x, w, b))
+    assert torch.autograd.gradcheck(lambda *a: blockdiag.grouped_linear(*a, backend="test_einsum"), (x, w, b))
+    # Made of differentiable torch ops, it has a double backward as it is.
+    (gx,) = torch.autograd.grad(blockdiag.grouped_linear(x, w, b, backend="test_einsum").square().sum(), x,
+                                create_graph=True)
+    gx.sum().backward()
+    assert w.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_a_registered_backend_is_traced_as_plain_torch_code(einsum_backend):
+    layer = blockdiag.GroupedLinear(12, 6, groups=3, backend="test_einsum")
+    x = torch.randn(4, 12)
+    traced = torch.jit.trace(layer, x, check_trace=False)
+    torch.testing.assert_close(traced(x), layer(x))
+
+
+def test_registering_starts_a_new_epoch_and_auto_screens_it():
+    p = Problem(32, 4, 16, 8)
+    before = choose(p)
+    assert "test_einsum2" not in [c.name for c in before.candidates]
+    blockdiag.register_backend(Backend("test_einsum2", _einsum, dtypes=F32))
+    try:
+        after = choose(p)
+        assert after is not before  # the cached plan was dropped
+        assert "test_einsum2" in candidates(p)
+        assert "test_einsum2" in [c.name for c in after.candidates if c.ok]
+        assert "test_einsum2" in [b.name for b in blockdiag.list_backends()]
+    finally:
+        removed = blockdiag.unregister_backend("test_einsum2")
+    assert removed.fn is _einsum
+    assert "test_einsum2" not in [c.name for c in choose(p).candidates]
+
+
+def test_a_duplicate_or_bad_backend_is_refused_by_name(einsum_backend):
+    with pytest.raises(BlockDiagError, match="a backend named 'test_einsum' is already registered"):
+        blockdiag.register_backend(Backend("test_einsum", _einsum, dtypes=F32))
+    with pytest.raises(BlockDiagError, match="a backend named 'loop' is already registered"):
+        blockdiag.register_backend(Backend("loop", _einsum, dtypes=F32))
+    with pytest.raises(BlockDiagError, match="'auto'"):
+        blockdiag.register_backend(Backend("auto", _einsum, dtypes=F32))
+    with pytest.raises(BlockDiagError, match="fn must be callable"):
+        blockdiag.register_backend(Backend("test_bad", None, dtypes=F32))
+    with pytest.raises(BlockDiagError, match="non-empty string"):
+        blockdiag.register_backend(Backend("", _einsum, dtypes=F32))
+    with pytest.raises(BlockDiagError, match="expected a blockdiag.Backend"):
+        blockdiag.register_backend(_einsum)
+    with pytest.raises(BlockDiagError, match="unknown backend 'test_nope'"):
+        blockdiag.unregister_backend("test_nope")
+    assert "test_bad" not in blockdiag.backends.names()
+
+
+def test_backends_is_the_subpackage_and_the_old_call_warns():
+    import blockdiag.backends as B
+
+    assert isinstance(B, types.ModuleType) and B.Backend is Backend and blockdiag.backends is B
+    with pytest.warns(DeprecationWarning, match=r"blockdiag.backends\(\) is deprecated; use blockdiag.list_backends\(\)"):
+        old = blockdiag.backends()
+    assert old == blockdiag.list_backends()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blockdiag.list_backends()
+    assert "list_backends" in blockdiag.__all__ and "register_backend" in blockdiag.__all__
+    assert "backends" not in blockdiag.__all__
