@@ -307,8 +307,8 @@ def api_reference_markdown() -> str:
         if name == "__version__":
             out.append(f"## `__version__`\n\nThe package version, `{obj!r}` in this build.\n")
         elif not inspect.ismodule(obj) and importlib.util.find_spec(f"blockdiag.{name}") is not None:
-            # A public function named like a subpackage (``blockdiag.backends()``): static
-            # analysis would document the subpackage, so render the function from runtime.
+            # A public function named like a subpackage (none today; ``blockdiag.backends()``
+            # was one): static analysis would document the subpackage, so render it at runtime.
             out.append(_manual_entry(name, obj))
         else:
             out.append(f"::: blockdiag.{name}\n")
