@@ -1,11 +1,20 @@
-"""The ``blockdiag`` command (also ``python -m blockdiag``): ``demo`` and the tuning tools."""
+"""The ``blockdiag`` command (also ``python -m blockdiag``): ``demo`` and the tuning tools.
+
+Every mistake in the arguments (a device this machine lacks, a non-float dtype, a grid too
+large for the memory, an output path that cannot be written) is refused before any work
+starts, with one line on stderr naming the option and the value, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import math
+import os
 import sys
 import time
+import warnings
 from typing import Sequence
 
 import torch
@@ -25,9 +34,33 @@ def _parse_hidden(s: str) -> list[int]:
 
 
 def _positive(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {s}")
+    return v
+
+
+def _seed(s: str) -> int:
+    # torch.manual_seed takes a 64-bit value; anything else is an error here, not in torch.
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**64), got {s!r}") from None
+    if not 0 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**64), got {s}")
+    return v
+
+
+def _learning_rate(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
     return v
 
 
@@ -67,8 +100,26 @@ def _train_epoch(model, xs, ys, opt, batch):
     return time.perf_counter() - t0, total / xs.shape[0]
 
 
+def _check_demo_memory(args) -> None:
+    from ._errors import BlockDiagError
+
+    sizes = [args.in_features, *args.hidden, args.out_features]
+    params = args.heads * sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    # Two models (the loop and the grouped copy), each with gradients and Adam's two moments;
+    # the samples and their targets; float32.
+    need = 4 * (2 * 4 * params + args.samples * (args.in_features + args.heads * args.out_features))
+    limit = _memory_limit()
+    if need > limit:
+        raise BlockDiagError(
+            f"--heads {args.heads} with these sizes needs about {need / 2**30:.1f} GiB, more than half this "
+            f"machine's memory ({limit / 2**30:.1f} GiB)"
+        )
+
+
 def cmd_demo(args) -> int:
     from . import GroupedMLP
+
+    _check_demo_memory(args)
 
     torch.manual_seed(args.seed)
     heads = _make_heads(args.heads, args.in_features, args.hidden, args.out_features)
@@ -130,18 +181,47 @@ def _blocks(s: str) -> tuple[tuple[int, int], ...]:
     return tuple(_block(v) for v in s.split(",") if v.strip())
 
 
+# The dtypes blockdiag's layers take (floating point); each backend declares its own subset.
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
 def _dtype(s: str) -> torch.dtype:
-    d = getattr(torch, s, None)
-    if not isinstance(d, torch.dtype):
-        raise argparse.ArgumentTypeError(f"unknown dtype {s!r} (e.g. float32, float64, bfloat16)")
-    return d
+    if s.replace("torch.", "") not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_DTYPES)}, got {s!r}")
+    return getattr(torch, s.replace("torch.", ""))
+
+
+def _device(s: str) -> str:
+    """A device type this machine has (``cpu``, ``cuda``, ...): checked before anything runs."""
+    try:
+        kind = torch.device(s).type
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {s!r} (e.g. cpu, cuda)") from None
+    if kind == "meta":
+        raise argparse.ArgumentTypeError("'meta' tensors hold no data: there is nothing to time (use cpu or cuda)")
+    if kind != "cpu":
+        mod = getattr(torch, kind, None)
+        available = getattr(mod, "is_available", None)
+        if available is None or not available():
+            raise argparse.ArgumentTypeError(f"{s!r}: this machine has no {kind} device")
+    return kind
 
 
 def _nonneg_float(s: str) -> float:
-    v = float(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}") from None
+    if math.isnan(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
     return v
+
+
+def _backend_list(s: str) -> list[str]:
+    out = [v.strip() for v in s.split(",") if v.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"must name at least one backend, got {s!r}")
+    return out
 
 
 def _modes(args) -> tuple[str, ...]:
@@ -159,16 +239,65 @@ def _check_output(option: str, path: str | None) -> None:
     """Refuse an output file that cannot be written before the measuring, not after it."""
     if path is None:
         return
-    import os
     from pathlib import Path
 
     from ._errors import BlockDiagError
 
-    parent = Path(path).resolve().parent
+    target = Path(path)
+    if target.is_dir():
+        raise BlockDiagError(f"{option}: {path!r} is a directory; name a file in it")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise BlockDiagError(f"{option}: {path!r} exists and is not writable")
+    parent = target.resolve().parent
     if not parent.is_dir():
         raise BlockDiagError(f"{option}: the directory {parent} of {path!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise BlockDiagError(f"{option}: the directory {parent} of {path!r} is not writable")
+
+
+def _memory_limit() -> int:
+    """Half the machine's memory (the grid's operands must fit beside everything else)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _check_grid_memory(grid, modes, dtype: torch.dtype, max_gflop: float) -> None:
+    """Refuse a grid whose largest point cannot fit, before allocating anything.
+
+    The estimate is the operands of one point: input, output, weight and bias, and in
+    training their gradients too (the backends' own workspace comes on top, so it is a
+    lower bound). Points skipped by ``--max-gflop`` do not count.
+    """
+    from ._errors import BlockDiagError
+
+    size = torch.empty((), dtype=dtype).element_size()
+    factor = 2 if "train" in modes else 1
+    worst, worst_point = 0, None
+    for n in grid.batch:
+        for g in grid.groups:
+            for i, o in grid.blocks:
+                if 2 * n * g * i * o / 1e9 > max_gflop:
+                    continue
+                need = factor * size * (n * g * i + n * g * o + g * o * i + g * o)
+                if need > worst:
+                    worst, worst_point = need, f"B={n} G={g} {i}x{o}"
+    limit = _memory_limit()
+    if worst > limit:
+        raise BlockDiagError(
+            f"the grid's largest point ({worst_point}) needs at least {worst / 2**30:.1f} GiB for its operands, "
+            f"more than half this machine's memory ({limit / 2**30:.1f} GiB); use smaller --batch/--groups/--blocks "
+            f"or --max-gflop"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_torch_betas():
+    """Hide torch's "... is in beta" notices (sparse CSR/BSR) while our commands run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*support is in beta state", category=UserWarning)
+        yield
 
 
 def _check_backends(names_: Sequence[str] | None) -> None:
@@ -179,8 +308,8 @@ def _check_backends(names_: Sequence[str] | None) -> None:
 
 
 def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 1e-2) -> None:
-    sp.add_argument("--device", default="cpu", help="device type to measure on (default cpu)")
-    sp.add_argument("--dtype", type=_dtype, default=torch.float32, help="default float32")
+    sp.add_argument("--device", type=_device, default="cpu", help="device type to measure on (default cpu)")
+    sp.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)} (default float32)")
     sp.add_argument("--mode", choices=("forward", "train", "both"), default="both",
                     help="forward only, forward+backward, or both (default)")
     size = sp.add_mutually_exclusive_group()
@@ -191,14 +320,24 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float
     sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")
     sp.add_argument("--groups", type=_int_list, help="override the grid's group counts, e.g. 4,50")
     sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")
-    sp.add_argument("--backends", type=lambda s: [v for v in s.split(",") if v], help="only these backends")
+    sp.add_argument("--backends", type=_backend_list, help="only these backends, comma-separated (default: all)")
     sp.add_argument("--repeat", type=_positive, default=5, help="interleaved rounds per point (median; default 5)")
     sp.add_argument("--min-time", type=_nonneg_float, default=min_time, help=f"seconds per sample (default {min_time:g})")
     sp.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic over the rounds (default median; min on a busy shared machine)")
     sp.add_argument("--max-gflop", type=_nonneg_float, default=float("inf"),
-                    help="skip points whose forward product exceeds this many GFLOP")
+                    help="skip points whose forward product exceeds this many GFLOP (default: none skipped)")
     sp.add_argument("--profile", help="profile file (default $BLOCKDIAG_PROFILE or the user cache directory)")
+
+
+def _runnable_names(device: str) -> list[str]:
+    from .backends import get, names
+
+    return [n for n in names() if device in get(n).dtypes and get(n).unavailable_reason() is None]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def cmd_tune(args) -> int:
@@ -209,12 +348,19 @@ def cmd_tune(args) -> int:
     _check_output("--plot", args.plot)
     grid = _grid(args, "quick")
     modes = _modes(args)
+    _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
+    path = args.profile or prof.default_profile_path()
+    _check_output("--profile", str(path))
+    n_backends = len(args.backends) if args.backends else len(_runnable_names(args.device))
+    samples = len(grid) * len(modes) * n_backends * args.repeat
     print(
         f"blockdiag tune: {len(grid) * len(modes)} points on {prof.device_name(args.device)}, "
-        f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}",
+        f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}; writes {path}\n"
+        f"estimated duration: at least {_duration(samples * max(args.min_time, 1e-3) * 1.5)} "
+        f"({samples} samples: points x {n_backends} backends x {args.repeat} rounds, about "
+        f"{max(args.min_time, 1e-3):g} s each plus warm-up; refining and rematching add to it)",
         file=sys.stderr,
     )
-    path = args.profile or prof.default_profile_path()
     doc, _ = prof.read_profile(path)
     key = prof.profile_key(args.device, args.dtype)
     old = (doc or {}).get("entries", {}).get(key)
@@ -266,6 +412,64 @@ def cmd_explain(args) -> int:
 
         print(simd.variant_note())
     return 0
+
+
+def _provenance() -> dict:
+    """When and from which code a results file was written (UTC time, git commit if any)."""
+    import datetime
+    import subprocess
+    from pathlib import Path
+
+    from . import __version__
+
+    commit = None
+    root = Path(__file__).resolve().parent.parent
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                 text=True, timeout=10)
+            commit = out.stdout.strip() or None if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            commit = None
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"created": created, "commit": commit, "blockdiag": __version__}
+
+
+def _unit(values_us) -> str:
+    vals = [v for v in values_us if v is not None]
+    return "ms" if vals and max(vals) >= 10000 else "us"
+
+
+def _in_unit(v, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "ms":
+        return f"{v / 1000:.2f}"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+# The summary's fields, labelled for people (summarize's keys stay the JSON's).
+_SUMMARY_LABELS = (
+    ("points", "points", "{}"),
+    ("geomean_auto_over_fastest", "auto over the fastest backend, geometric mean", "{:.3f}"),
+    ("max_auto_over_fastest", "auto over the fastest backend, worst", "{:.3f}"),
+    ("worst_point", "  at", "{}"),
+    ("within_1.10", "points where auto is within 1.10 of the fastest", "{}"),
+    ("geomean_auto_over_kernel", "auto over its choice forced (dispatch cost), geometric mean", "{:.3f}"),
+    ("geomean_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, geometric mean", "{:.2f}x"),
+    ("min_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, smallest", "{:.2f}x"),
+    ("geomean_speedup_vs_vmap", "speed-up over vmap ensembling, geometric mean", "{:.2f}x"),
+    ("median_fraction_of_ideal", "fraction of the ideal GEMM, median", "{:.0%}"),
+)
+
+
+def _summary_lines(mode: str, s: dict) -> str:
+    lines = [f"{mode}:"]
+    width = max(len(label) for _, label, _ in _SUMMARY_LABELS)
+    for key, label, fmt in _SUMMARY_LABELS:
+        if s.get(key) is not None:
+            lines.append(f"  {label:{width}s}  {fmt.format(s[key])}")
+    return "\n".join(lines)
 
 
 def _fmt_us(v) -> str:
@@ -347,7 +551,7 @@ def _bench_compiled(args, grid, modes) -> int:
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
                "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
-               "allocator_env": allocator_env(), "summary": summary, "rows": rows}
+               "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
         prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0
@@ -363,6 +567,8 @@ def cmd_bench(args) -> int:
     _check_backends(args.backends)
     _check_output("--json", args.json)
     grid = _grid(args, "targets")
+    _check_grid_memory(grid, ("train",) if args.compiled or args.mode != "forward" else ("forward",),
+                       args.dtype, args.max_gflop)
     if args.mode is None:  # bench's own default: both, and the training step alone with --compiled
         args.mode = "train" if args.compiled else "both"
     modes = _modes(args)
@@ -376,8 +582,16 @@ def cmd_bench(args) -> int:
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
                      stat=args.stat, refine=args.refine, progress=sys.stderr)
     names_ = sorted({n for r in rows for n in r.get("times_us", {})})
-    head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n:>9s}" for n in names_)
-    head += f" {'auto':>9s} {'choice':>8s} {'a/best':>6s} {'a/kern':>6s} {'%ideal':>6s} {'xloop':>6s} {'xvmap':>6s}"
+    timed = [r for r in rows if "skipped_point" not in r]
+    # One unit per column, picked from its values: ms when its largest time reaches 10 ms.
+    units = {n: _unit([r["times_us"].get(n) for r in timed]) for n in names_}
+    units["auto"] = _unit([r["auto_us"] for r in timed])
+    print(f"times in the unit of their column (us or ms), {args.stat} of {args.repeat} interleaved rounds; "
+          "a/best: auto over the fastest backend; a/kern: auto over its choice forced; %ideal: the ideal "
+          "GEMM's time over auto's; xloop, xvmap: auto's speed-up over the nn.Linear loop and vmap")
+    head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n + ' ' + units[n]:>11s}" for n in names_)
+    head += (f" {'auto ' + units['auto']:>11s} {'choice':>11s} {'a/best':>6s} {'a/kern':>6s} {'%ideal':>6s} "
+             f"{'xloop':>6s} {'xvmap':>6s}")
     # Under a tuning profile: the built-in table's choice and its forced time over the fastest.
     builtin = any("builtin_choice" in r for r in rows)
     if builtin:
@@ -392,8 +606,9 @@ def cmd_bench(args) -> int:
         bl = r.get("baselines_us", {})
         xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
         xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
-        print(lead + " ".join(f"{_fmt_us(t.get(n)):>9s}" for n in names_)
-              + f" {_fmt_us(r['auto_us']):>9s} {r['auto']:>8s} {r['auto_over_fastest']:6.2f} {r['auto_over_kernel']:6.2f}"
+        print(lead + " ".join(f"{_in_unit(t.get(n), units[n]):>11s}" for n in names_)
+              + f" {_in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {r['auto_over_fastest']:6.2f}"
+              + f" {r['auto_over_kernel']:6.2f}"
               + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
               + (_builtin_columns(r) if builtin else ""))
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
@@ -401,7 +616,7 @@ def cmd_bench(args) -> int:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
     summary = summarize(rows)
     for mode, s in summary.items():
-        print(f"{mode}: " + ", ".join(f"{k}={v}" for k, v in s.items()))
+        print(_summary_lines(mode, s))
         if "geomean_choice_over_builtin_choice" in s:
             print(f"{mode}: the profile's choices against the built-in table's, timed in this run: "
                   f"{s['geomean_choice_over_builtin_choice']:.3f}x on geometric mean (below 1: the profile "
@@ -410,30 +625,74 @@ def cmd_bench(args) -> int:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
-               "allocator_env": allocator_env(), "summary": summary, "rows": rows}
+               "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
         prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; every option's default shown (unless its help gives it)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if "default" in h or flag or action.default is None or action.default is argparse.SUPPRESS:
+            return h
+        d = action.default
+        if isinstance(d, torch.dtype):
+            d = str(d).replace("torch.", "")
+        elif isinstance(d, list):
+            d = ",".join(map(str, d))
+        return f"{h} (default {d})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blockdiag", description=__doc__)
+    from . import __version__
+
+    p = argparse.ArgumentParser(
+        prog="blockdiag",
+        description="blockdiag: many small independent linear layers as one block-diagonal operation. "
+                    "Commands: demo (the forum's model, loop against GroupedMLP), tune (measure this "
+                    "machine and write a tuning profile), explain (the plan auto follows for a shape), "
+                    "bench (every backend, auto and the baselines over a grid).",
+        epilog="run 'blockdiag COMMAND --help' for a command's options and an example",
+    )
+    p.add_argument("--version", action="version", version=f"blockdiag {__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="train the forum's loop-of-heads model and GroupedMLP side by side")
-    d.add_argument("--heads", type=_positive, default=50)
-    d.add_argument("--in-features", type=_positive, default=150)
-    d.add_argument("--hidden", type=_parse_hidden, default=[10, 10], help="comma-separated, e.g. 10,10")
-    d.add_argument("--out-features", type=_positive, default=1)
-    d.add_argument("--batch", type=_positive, default=64)
-    d.add_argument("--samples", type=_positive, default=4096)
-    d.add_argument("--epochs", type=_positive, default=3)
-    d.add_argument("--lr", type=float, default=1e-3)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser(
+        "demo", help="train the forum's loop-of-heads model and GroupedMLP side by side",
+        description="Train the forum thread's model (a Python loop over independent heads, then cat) and "
+                    "the same heads as one GroupedMLP, interleaved epoch by epoch, and print both losses "
+                    "and the speed-up.",
+        epilog="example:\n  blockdiag demo --heads 50 --epochs 3",
+        formatter_class=_Formatter,
+    )
+    d.add_argument("--heads", type=_positive, default=50, help="independent heads")
+    d.add_argument("--in-features", type=_positive, default=150, help="input features every head reads")
+    d.add_argument("--hidden", type=_parse_hidden, default=[10, 10], help="hidden sizes, comma-separated, e.g. 10,10")
+    d.add_argument("--out-features", type=_positive, default=1, help="outputs per head")
+    d.add_argument("--batch", type=_positive, default=64, help="rows per training step")
+    d.add_argument("--samples", type=_positive, default=4096, help="training samples (random)")
+    d.add_argument("--epochs", type=_positive, default=3, help="epochs of each model")
+    d.add_argument("--lr", type=_learning_rate, default=1e-3, help="Adam's learning rate")
+    d.add_argument("--seed", type=_seed, default=0, help="random seed")
     d.set_defaults(func=cmd_demo)
 
     from .tuning import BENCH_REFINE, TIE_MARGIN
 
-    t = sub.add_parser("tune", help="measure the backends on this machine and write a tuning profile")
+    t = sub.add_parser(
+        "tune", help="measure the backends on this machine and write a tuning profile",
+        description="Time every backend at each point of a grid on this machine and merge the winners into "
+                    "the tuning profile that auto reads (the file is named before the run starts, with an "
+                    "estimate of its duration). tune defaults to the quick grid and a 5%% refine margin: "
+                    "it measures many backends per point, where bench measures the target grid and "
+                    "refines auto's choice against the fastest at 10%%.",
+        epilog="examples:\n"
+               "  blockdiag tune --quick --mode train            # a few minutes\n"
+               "  blockdiag tune --blocks 150x10 --groups 50 --batch 256 --profile /tmp/p.json",
+        formatter_class=_Formatter,
+    )
     _add_grid_options(t, "quick")
     t.add_argument("--plot", metavar="FILE.png", help="also draw the decision map (needs matplotlib)")
     t.add_argument("--refine", type=_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
@@ -443,17 +702,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not retime the points where the winner is not the earlier table's choice")
     t.set_defaults(func=cmd_tune)
 
-    e = sub.add_parser("explain", help="print the plan auto follows for one shape, and why")
-    e.add_argument("--batch", type=_positive, required=True)
-    e.add_argument("--groups", type=_positive, required=True)
-    e.add_argument("--block", type=_block, required=True, help="IN x OUT, e.g. 10x10 or 150x10")
-    e.add_argument("--train", action="store_true", help="plan for forward+backward")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", type=_dtype, default=torch.float32)
-    e.add_argument("--profile", help="profile file to use")
+    e = sub.add_parser(
+        "explain", help="print the plan auto follows for one shape, and why",
+        description="Print the plan auto follows for one problem: the backend, the table entry it comes "
+                    "from, the candidates and why the others were left out.",
+        epilog="example:\n  blockdiag explain --batch 256 --groups 50 --block 150x10 --train",
+        formatter_class=_Formatter,
+    )
+    e.add_argument("--batch", type=_positive, required=True, help="rows (the product of the leading dimensions)")
+    e.add_argument("--groups", type=_positive, required=True, help="groups (heads)")
+    e.add_argument("--block", type=_block, required=True, help="IN x OUT per group, e.g. 10x10 or 150x10")
+    e.add_argument("--train", action="store_true", help="plan for forward+backward (default: forward only)")
+    e.add_argument("--device", default="cpu", help="device type to plan for; no device is needed")
+    e.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)}")
+    e.add_argument("--profile", help="profile file to use (default $BLOCKDIAG_PROFILE or the user cache directory)")
     e.set_defaults(func=cmd_explain)
 
-    b = sub.add_parser("bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid")
+    b = sub.add_parser(
+        "bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid",
+        description="Time every backend, auto, the ideal GEMM and the baselines (the nn.Linear loop, vmap "
+                    "ensembling) over a grid, in interleaved rounds, and print each point's times and "
+                    "ratios measured in the same run. Writes nothing unless --json is given.",
+        epilog="examples:\n"
+               "  blockdiag bench --quick --mode forward\n"
+               "  blockdiag bench --blocks 10x10,150x10 --backends simd,bmm_fm,mkl_batch,loop --json out.json\n"
+               "  blockdiag bench --compiled linear --batch 256 --groups 16",
+        formatter_class=_Formatter,
+    )
     _add_grid_options(b, "targets")
     b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
@@ -485,19 +760,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``blockdiag`` console script.
 
     Returns:
-        the exit status: 0 on success, 1 when the command fails with a
-        :class:`~blockdiag.BlockDiagError` (an unknown backend name, an unwritable
-        profile, ...), whose message is printed to stderr without a traceback. Argument
-        errors exit with argparse's status 2.
+        the exit status: 0 on success, 2 on a bad argument or a command refused with a
+        :class:`~blockdiag.BlockDiagError` (an unknown backend name, an unwritable file, a
+        grid too large for the memory, ...), whose message is printed to stderr as one line.
     """
     from ._errors import BlockDiagError
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with _quiet_torch_betas():
+            return args.func(args)
     except BlockDiagError as e:
         print(f"blockdiag {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

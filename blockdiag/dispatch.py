@@ -511,6 +511,12 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
             if exact
             else f"fastest as ranked from the {len(used)} nearest measured shapes (nearest: {at})"
         )
+        # The table entry may be of another dtype (the nearest one the table holds): say so,
+        # never "measured at this shape" for a dtype nobody measured.
+        table_dtype = (entry or {}).get("dtype")
+        asked = str(p.dtype).replace("torch.", "")
+        if table_dtype and table_dtype != asked:
+            where = f"{where} in {table_dtype} (the table has no {asked} entry; ranked from those times)"
         reason = f"{where}, {p.mode}"
         if len(measured) > 1:
             reason += f": {estimates[measured[1]] / estimates[best]:.2f}x ahead of {measured[1]}"
@@ -522,6 +528,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         reason = "no runnable backend was measured near this shape; first in the preference order"
 
     how = "measured" if exact else f"estimated ({len(used)} nearest measured shapes, scaled by FLOPs)"
+    if measured and table_dtype and table_dtype != asked:
+        how += f" in {table_dtype}"
     cands = []
     for n in ranked:
         # An entry may say why a backend has no times (profile.fit_variant: another simd variant).

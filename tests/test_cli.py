@@ -113,8 +113,8 @@ def test_bench_skips_huge_points_and_says_so(capsys):
         (["explain", "--batch", "0", "--groups", "2", "--block", "3x2"],
          "blockdiag explain: error: argument --batch: must be a positive int, got 0"),
         (["bench", "--dtype", "float99"],
-         "blockdiag bench: error: argument --dtype: unknown dtype 'float99' "
-         "(e.g. float32, float64, bfloat16)"),
+         "blockdiag bench: error: argument --dtype: must be one of float32, float64, float16, bfloat16, "
+         "got 'float99'"),
         (["tune", "--quick", "--full"],
          "blockdiag tune: error: argument --full: not allowed with argument --quick"),
         (["tune", "--blocks", "3x0"],
@@ -136,12 +136,12 @@ def test_bad_arguments_exit_2(argv, message, capsys):
 @pytest.mark.parametrize("cmd", ["bench", "tune"])
 def test_unknown_backend_lists_valid_ones(tmp_path, capsys, cmd):
     extra = ["--profile", str(tmp_path / "p.json")] if cmd == "tune" else []
-    assert main([cmd, *TINY, *extra, "--backends", "nope"]) == 1
+    assert main([cmd, *TINY, *extra, "--backends", "nope"]) == 2
     err = capsys.readouterr().err
     assert f"blockdiag {cmd}: error: --backends: unknown backend 'nope'; valid names are" in err
     assert "'bmm_fm'" in err and "'auto'" not in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
-    assert main([cmd, *TINY, *extra, "--backends", "loop,auto"]) == 1
+    assert main([cmd, *TINY, *extra, "--backends", "loop,auto"]) == 2
     assert "'auto' is the choice among the backends" in capsys.readouterr().err
 
 
@@ -528,7 +528,7 @@ def test_an_unwritable_output_is_refused_before_measuring(cmd, option, ext, tmp_
 
     monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured before checking the output"))
     missing = tmp_path / "no" / f"out.{ext}"
-    assert main([cmd, *TINY, option, str(missing), "--profile", str(tmp_path / "p.json")]) == 1
+    assert main([cmd, *TINY, option, str(missing), "--profile", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert f"blockdiag {cmd}: error: {option}: the directory {missing.parent} of {str(missing)!r} does not exist" in err
 
@@ -597,3 +597,91 @@ def test_bench_compiled_rejects_unknown_models(capsys):
         main(["bench", "--compiled", "conv"])
     assert e.value.code == 2
     assert "argument --compiled: expected a comma-separated subset of linear,mlp, got 'conv'" in capsys.readouterr().err
+
+
+# --- for users: help, version, what tune announces, units, explain's wording ----------------
+
+def test_version(capsys):
+    import blockdiag
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"blockdiag {blockdiag.__version__} (torch {torch.__version__})"
+
+
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["tune"], ["explain"], ["bench"]], ids=lambda c: c[0] if c else "top")
+def test_help_has_a_description_an_example_and_defaults(cmd, capsys):
+    with pytest.raises(SystemExit):
+        main([*cmd, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out, out  # no raw reStructuredText
+    if cmd:
+        assert "example" in out and f"blockdiag {cmd[0]}" in out.split("example")[-1], out
+    if cmd in (["demo"], ["tune"], ["bench"]):
+        # every option with a value shows its default
+        flat = " ".join(out.split())  # argparse wraps lines
+        assert ("(default 50)" if cmd == ["demo"] else "(default float32)") in flat, out
+
+
+def test_tune_names_its_profile_and_estimates_before_starting(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert main(["tune", *TINY, "--backends", "loop,bmm", "--mode", "forward", "--no-rematch",
+                 "--profile", str(path)]) == 0
+    err = capsys.readouterr().err
+    first = err.split("\n", 2)[:2]
+    assert f"writes {path}" in first[0] and "estimated duration" in first[1], err
+    assert "2 backends" in first[1], err
+
+
+def test_bench_columns_have_one_unit_and_the_summary_is_labelled(capsys):
+    assert main(["bench", *TINY, "--backends", "loop,bmm", "--mode", "forward", "--no-baselines"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(line for line in lines if line.startswith("mode"))
+    assert "loop us" in head or "loop ms" in head, head
+    row = next(line for line in lines if line.startswith("forward "))
+    assert "us" not in row.split()[4:] and not any(c.endswith(("us", "ms")) for c in row.split()[4:]), row
+    assert "auto over the fastest backend, geometric mean" in out and "geomean_auto_over_fastest=" not in out, out
+
+
+def test_no_beta_warnings_from_our_commands(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "blockdiag", "bench", *TINY, "--backends", "csr,bsr,loop",
+                        "--mode", "forward", "--no-baselines"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "beta" not in r.stdout + r.stderr, r.stderr
+
+
+def test_explain_never_claims_a_measurement_in_another_dtype(capsys):
+    assert main(["explain", "--batch", "256", "--groups", "50", "--block", "150x10", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "the table has no float16 entry" in out and "measured in float32" in out, out
+    assert main(["explain", "--batch", "256", "--groups", "50", "--block", "150x10"]) == 0
+    assert "no float32 entry" not in capsys.readouterr().out
+
+
+def test_the_decision_map_has_a_legend_and_a_title_that_fits(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from blockdiag.tuning import plot_decision_map
+
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, path, **kw):
+        seen["legends"] = len(fig.legends)
+        seen["title"] = fig._suptitle.get_text()
+        return real_savefig(fig, path, **kw)
+
+    entry = {"device_name": "A CPU", "torch": "2", "dtype": "float32", "measurements": [
+        {"mode": "forward", "batch": b, "groups": g, "block_in": 2, "block_out": 2,
+         "times_us": {"loop": 1.0 + b, "bmm": 2.0 * g}} for b in (1, 8) for g in (1, 4)]}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plt.Figure, "savefig", spy)
+        plot_decision_map(entry, str(tmp_path / "map.png"))
+    assert seen["legends"] == 1
+    assert all(len(line) <= 90 for line in seen["title"].splitlines()), seen["title"]

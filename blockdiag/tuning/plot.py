@@ -40,8 +40,9 @@ def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] 
     keep = set(backends) if backends is not None else None
     panels = sorted({(m["mode"], m["block_in"], m["block_out"]) for m in ms})
     all_names = sorted({n for m in ms for n in m["times_us"] if keep is None or n in keep})
-    palette = plt.get_cmap("tab10")
-    colour = {n: to_rgb(palette(k % 10)) for k, n in enumerate(all_names)}
+    # Distinct colours for every backend (tab10 repeats from the 11th name).
+    palette = plt.get_cmap("tab10" if len(all_names) <= 10 else "tab20")
+    colour = {n: to_rgb(palette(k % palette.N)) for k, n in enumerate(all_names)}
     cols = min(4, len(panels))
     rows_n = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
@@ -71,12 +72,20 @@ def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] 
         ax.set_title(f"{mode}, block {bi}x{bo} (in x out)", fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    # Two short title lines (a long single line was cut at both ends at docs width) and a
+    # legend of the backends that win somewhere, with how the shade reads.
     fig.suptitle(
-        f"blockdiag decision map: {entry.get('device_name', '?')}, torch {entry.get('torch', '?')}, "
-        f"{entry.get('dtype', '?')} (label: winner and its margin over the runner-up)",
+        f"blockdiag decision map: {entry.get('device_name', '?')}\n"
+        f"torch {entry.get('torch', '?')}, {entry.get('dtype', '?')}; cell: winner and its margin over the runner-up",
         fontsize=9,
     )
-    fig.tight_layout()
+    winners = sorted({min(t, key=t.get) for m in ms
+                      if (t := {n: v for n, v in m["times_us"].items() if keep is None or n in keep})})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[n]) for n in winners]
+    fig.legend(handles, winners, loc="lower center", ncol=min(6, max(1, len(winners))), fontsize=8,
+               frameon=False, title="fastest backend (pale: within 5% of the runner-up; full: 50% or more ahead)",
+               title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.03 + 0.15 / (3.6 * rows_n) * math.ceil(len(winners) / 6), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
