@@ -20,6 +20,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from . import _cli_format as fmt
+
 __all__ = ["main"]
 
 
@@ -133,8 +135,9 @@ def cmd_demo(args) -> int:
     with torch.no_grad():
         start_diff = (slow(xs[:256]) - fast(xs[:256])).abs().max().item()
     print(
-        f"blockdiag demo: {args.heads} heads of {args.in_features} -> "
-        f"{' -> '.join(map(str, args.hidden))} -> {args.out_features} (ReLU), "
+        f"blockdiag demo: {args.heads} heads of "
+        f"{' -> '.join(map(str, [args.in_features, *args.hidden, args.out_features]))}"
+        f"{' (ReLU)' if args.hidden else ''}, "
         f"{n} samples, batch {args.batch}, Adam lr={args.lr}, {torch.get_num_threads()} threads"
     )
     print(f"same start: largest output difference {start_diff:.2e}")
@@ -178,7 +181,10 @@ def _block(s: str) -> tuple[int, int]:
 
 
 def _blocks(s: str) -> tuple[tuple[int, int], ...]:
-    return tuple(_block(v) for v in s.split(",") if v.strip())
+    out = tuple(_block(v) for v in s.split(",") if v.strip())
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected blocks IN x OUT such as 10x10,150x10, got {s!r}")
+    return out
 
 
 # The dtypes blockdiag's layers take (floating point); each backend declares its own subset.
@@ -204,7 +210,28 @@ def _device(s: str) -> str:
         available = getattr(mod, "is_available", None)
         if available is None or not available():
             raise argparse.ArgumentTypeError(f"{s!r}: this machine has no {kind} device")
+    _check_some_backend_runs_on(s, kind)
     return kind
+
+
+def _device_type(s: str) -> str:
+    """A device type torch knows, for ``explain`` (which plans and runs nothing: none is needed)."""
+    try:
+        kind = torch.device(s).type
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {s!r} (e.g. cpu, cuda)") from None
+    if kind == "meta":
+        raise argparse.ArgumentTypeError("'meta' tensors hold no data: no backend runs on them (use cpu or cuda)")
+    _check_some_backend_runs_on(s, kind)
+    return kind
+
+
+def _check_some_backend_runs_on(s: str, kind: str) -> None:
+    from .backends import get, names
+
+    devices = sorted({d for n in names() for d in get(n).dtypes})
+    if kind not in devices:
+        raise argparse.ArgumentTypeError(f"{s!r}: no backend runs on {kind} (they run on {', '.join(devices)})")
 
 
 def _nonneg_float(s: str) -> float:
@@ -214,6 +241,16 @@ def _nonneg_float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}") from None
     if math.isnan(v) or v < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
+    return v
+
+
+def _finite_nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
     return v
 
 
@@ -235,8 +272,19 @@ def _grid(args, default: str):
     return Grid(args.batch or base.batch, args.groups or base.groups, args.blocks or base.blocks)
 
 
-def _check_output(option: str, path: str | None) -> None:
-    """Refuse an output file that cannot be written before the measuring, not after it."""
+def _path(s: str) -> str:
+    """A file name: an empty one is an error, not "the default" (tune would write the user's profile)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError(f"must name a file, got {s!r}")
+    return s
+
+
+def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> None:
+    """Refuse an output file that cannot be written before the measuring, not after it.
+
+    With ``makes_dirs`` (the profile, whose directories ``save_entry`` creates) a missing
+    directory is fine where the nearest existing one above it is writable.
+    """
     if path is None:
         return
     from pathlib import Path
@@ -249,10 +297,27 @@ def _check_output(option: str, path: str | None) -> None:
     if target.exists() and not os.access(target, os.W_OK):
         raise BlockDiagError(f"{option}: {path!r} exists and is not writable")
     parent = target.resolve().parent
+    if makes_dirs:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
     if not parent.is_dir():
-        raise BlockDiagError(f"{option}: the directory {parent} of {path!r} does not exist")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise BlockDiagError(f"{option}: the directory {parent} of {path!r} {what}")
     if not os.access(parent, os.W_OK):
         raise BlockDiagError(f"{option}: the directory {parent} of {path!r} is not writable")
+
+
+def _check_profile_input(path: str | None) -> None:
+    """An explicitly named profile to read must exist (auto would fall back to the built-in
+    table without a word); what is wrong inside one, auto reports as a ProfileWarning."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    from ._errors import BlockDiagError
+
+    if not Path(path).exists():
+        raise BlockDiagError(f"--profile: {path!r} does not exist (blockdiag tune --profile {path} writes one)")
 
 
 def _memory_limit() -> int:
@@ -263,12 +328,17 @@ def _memory_limit() -> int:
         return 8 << 30
 
 
-def _check_grid_memory(grid, modes, dtype: torch.dtype, max_gflop: float) -> None:
+# An nn.Linear module's own memory beside its tensors (measured: 3.8 KB on CPython 3.11, torch 2.13).
+_MODULE_BYTES = 4096
+
+
+def _check_grid_memory(grid, modes, dtype: torch.dtype, max_gflop: float, baselines: bool = False) -> None:
     """Refuse a grid whose largest point cannot fit, before allocating anything.
 
     The estimate is the operands of one point: input, output, weight and bias, and in
     training their gradients too (the backends' own workspace comes on top, so it is a
-    lower bound). Points skipped by ``--max-gflop`` do not count.
+    lower bound); with ``baselines``, also the ``G`` ``nn.Linear`` modules the loop baseline
+    builds and the ``G`` more of vmap's. Points skipped by ``--max-gflop`` do not count.
     """
     from ._errors import BlockDiagError
 
@@ -281,14 +351,17 @@ def _check_grid_memory(grid, modes, dtype: torch.dtype, max_gflop: float) -> Non
                 if 2 * n * g * i * o / 1e9 > max_gflop:
                     continue
                 need = factor * size * (n * g * i + n * g * o + g * o * i + g * o)
+                if baselines:
+                    need += 2 * g * _MODULE_BYTES
                 if need > worst:
                     worst, worst_point = need, f"B={n} G={g} {i}x{o}"
     limit = _memory_limit()
     if worst > limit:
         raise BlockDiagError(
-            f"the grid's largest point ({worst_point}) needs at least {worst / 2**30:.1f} GiB for its operands, "
-            f"more than half this machine's memory ({limit / 2**30:.1f} GiB); use smaller --batch/--groups/--blocks "
-            f"or --max-gflop"
+            f"the grid's largest point ({worst_point}) needs at least {worst / 2**30:.1f} GiB for its operands"
+            f"{' and the baseline nn.Linear modules' if baselines else ''}, more than half this machine's memory "
+            f"({limit / 2**30:.1f} GiB); use smaller --batch/--groups/--blocks or --max-gflop"
+            f"{' (--no-baselines skips the modules)' if baselines else ''}"
         )
 
 
@@ -300,34 +373,79 @@ def _quiet_torch_betas():
         yield
 
 
-def _check_backends(names_: Sequence[str] | None) -> None:
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Warnings shown while our commands run (a corrupt profile's ProfileWarning) as one line
+    each, ``blockdiag explain: ProfileWarning: ...``, without the source file and line."""
+    original = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        text = " ".join(str(message).split()).removeprefix("blockdiag: ")
+        return f"blockdiag {command}: {category.__name__}: {text}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+def _check_backends(names_: Sequence[str] | None, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+    """Every name known, and able to run at this device and dtype: a named backend that cannot
+    would leave bench's rows and tune's profile without times."""
+    from ._errors import BlockDiagError
     from .backends import get
 
     for n in names_ or ():
-        get(n, "--backends", auto_valid=False)
+        b = get(n, "--backends", auto_valid=False)
+        why = b.unavailable_reason()
+        if why is None and device not in b.dtypes:
+            why = f"it does not run on {device} (runs on {', '.join(b.dtypes)})"
+        if why is None and dtype is not None and dtype not in b.dtypes[device]:
+            why = f"it does not take {str(dtype).replace('torch.', '')} on {device}"
+        if why is not None:
+            raise BlockDiagError(f"--backends: {n!r} cannot run here: {why}")
 
 
-def _add_grid_options(sp: argparse.ArgumentParser, default: str, min_time: float = 1e-2) -> None:
+def _add_grid_options(sp: argparse.ArgumentParser, default: str, profile_help: str, min_time: float = 1e-2) -> None:
     sp.add_argument("--device", type=_device, default="cpu", help="device type to measure on (default cpu)")
     sp.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)} (default float32)")
     sp.add_argument("--mode", choices=("forward", "train", "both"), default="both",
                     help="forward only, forward+backward, or both (default)")
-    size = sp.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help=f"the small grid{' (default)' if default == 'quick' else ''}")
-    targets = " (default: the target grid, the full grid without those three)" if default == "targets" else ""
-    size.add_argument("--full", action="store_true",
-                      help=f"the full grid, with 10x150, 64x256 and 32x32 blocks{' (default)' if default == 'full' else ''}{targets}")
-    sp.add_argument("--batch", type=_int_list, help="override the grid's batch sizes, e.g. 32,256")
-    sp.add_argument("--groups", type=_int_list, help="override the grid's group counts, e.g. 4,50")
-    sp.add_argument("--blocks", type=_blocks, help="override the grid's blocks (IN x OUT), e.g. 10x10,150x10")
+    from .tuning import GRIDS
+
+    def described(name: str) -> str:
+        g = GRIDS[name]
+        return (f"{len(g)} shapes: batch {','.join(map(str, g.batch))}; groups {','.join(map(str, g.groups))}; "
+                f"blocks {','.join(f'{i}x{o}' for i, o in g.blocks)}")
+
+    name = "target" if default == "targets" else default
+    grid = sp.add_argument_group("the grid", f"The shapes measured: by default the {name} grid "
+                                             f"({described(default)}); --batch, --groups and --blocks replace its values.")
+    size = grid.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=f"the quick grid ({described('quick')})")
+    size.add_argument("--full", action="store_true", help=f"the full grid ({described('full')})")
+    grid.add_argument("--batch", type=_int_list, help="the batch sizes, e.g. 32,256 (default: the grid's)")
+    grid.add_argument("--groups", type=_int_list, help="the group counts, e.g. 4,50 (default: the grid's)")
+    grid.add_argument("--blocks", type=_blocks, help="the blocks (IN x OUT), e.g. 10x10,150x10 (default: the grid's)")
     sp.add_argument("--backends", type=_backend_list, help="only these backends, comma-separated (default: all)")
-    sp.add_argument("--repeat", type=_positive, default=5, help="interleaved rounds per point (median; default 5)")
-    sp.add_argument("--min-time", type=_nonneg_float, default=min_time, help=f"seconds per sample (default {min_time:g})")
+    sp.add_argument("--repeat", type=_positive, default=5,
+                    help="interleaved rounds per point, of which --stat takes the median or minimum")
+    sp.add_argument("--min-time", type=_finite_nonneg_float, default=min_time,
+                    help="seconds each sample lasts at least, repeating the call to reach it")
     sp.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic over the rounds (default median; min on a busy shared machine)")
     sp.add_argument("--max-gflop", type=_nonneg_float, default=float("inf"),
                     help="skip points whose forward product exceeds this many GFLOP (default: none skipped)")
-    sp.add_argument("--profile", help="profile file (default $BLOCKDIAG_PROFILE or the user cache directory)")
+    sp.add_argument("--profile", type=_path, help=f"{profile_help} (default $BLOCKDIAG_PROFILE or the user cache directory's "
+                                      f"profile.json)")
+
+
+def _point_flops(grid, modes, max_gflop: float) -> list[float]:
+    """One call's FLOPs at each point measured: the grid times the modes, less what
+    ``--max-gflop`` skips (a training step: the forward product and two for backward)."""
+    fwd = [2.0 * n * g * i * o for n in grid.batch for g in grid.groups for i, o in grid.blocks]
+    return [f * (3 if mode == "train" else 1) for mode in modes for f in fwd if f / 1e9 <= max_gflop]
 
 
 def _runnable_names(device: str) -> list[str]:
@@ -336,31 +454,24 @@ def _runnable_names(device: str) -> list[str]:
     return [n for n in names() if device in get(n).dtypes and get(n).unavailable_reason() is None]
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
 def cmd_tune(args) -> int:
     from . import profile as prof
     from .tuning import cross_check, merge_entry, plot_decision_map, tune
 
-    _check_backends(args.backends)
+    _check_backends(args.backends, args.device, args.dtype)
     _check_output("--plot", args.plot)
     grid = _grid(args, "quick")
     modes = _modes(args)
     _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
-    path = args.profile or prof.default_profile_path()
-    _check_output("--profile", str(path))
+    path = args.profile if args.profile is not None else prof.default_profile_path()
+    _check_output("--profile" if args.profile is not None else "the default profile", str(path), makes_dirs=True)
     n_backends = len(args.backends) if args.backends else len(_runnable_names(args.device))
-    samples = len(grid) * len(modes) * n_backends * args.repeat
-    print(
-        f"blockdiag tune: {len(grid) * len(modes)} points on {prof.device_name(args.device)}, "
-        f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}; writes {path}\n"
-        f"estimated duration: at least {_duration(samples * max(args.min_time, 1e-3) * 1.5)} "
-        f"({samples} samples: points x {n_backends} backends x {args.repeat} rounds, about "
-        f"{max(args.min_time, 1e-3):g} s each plus warm-up; refining and rematching add to it)",
-        file=sys.stderr,
-    )
+    flops = _point_flops(grid, modes, args.max_gflop)
+    writes = f"{path}" + (f" and the decision map {args.plot}" if args.plot else "")
+    _announce("tune", args, len(flops), modes, writes,
+              fmt.estimate_line(flops, n_backends, "backends", args.repeat, args.min_time, args.device,
+                                "pruning the slow backends saves some, refining near-ties and rematching "
+                                "add some"))
     doc, _ = prof.read_profile(path)
     key = prof.profile_key(args.device, args.dtype)
     old = (doc or {}).get("entries", {}).get(key)
@@ -400,6 +511,7 @@ def cmd_explain(args) -> int:
     from .dispatch import choose
     from .settings import config
 
+    _check_profile_input(args.profile)
     p = Problem(args.batch, args.groups, args.block[0], args.block[1], args.dtype, args.device, args.train)
     if args.profile:
         with config(profile=args.profile):
@@ -435,49 +547,6 @@ def _provenance() -> dict:
     return {"created": created, "commit": commit, "blockdiag": __version__}
 
 
-def _unit(values_us) -> str:
-    vals = [v for v in values_us if v is not None]
-    return "ms" if vals and max(vals) >= 10000 else "us"
-
-
-def _in_unit(v, unit: str) -> str:
-    if v is None:
-        return "-"
-    if unit == "ms":
-        return f"{v / 1000:.2f}"
-    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
-
-
-# The summary's fields, labelled for people (summarize's keys stay the JSON's).
-_SUMMARY_LABELS = (
-    ("points", "points", "{}"),
-    ("geomean_auto_over_fastest", "auto over the fastest backend, geometric mean", "{:.3f}"),
-    ("max_auto_over_fastest", "auto over the fastest backend, worst", "{:.3f}"),
-    ("worst_point", "  at", "{}"),
-    ("within_1.10", "points where auto is within 1.10 of the fastest", "{}"),
-    ("geomean_auto_over_kernel", "auto over its choice forced (dispatch cost), geometric mean", "{:.3f}"),
-    ("geomean_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, geometric mean", "{:.2f}x"),
-    ("min_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, smallest", "{:.2f}x"),
-    ("geomean_speedup_vs_vmap", "speed-up over vmap ensembling, geometric mean", "{:.2f}x"),
-    ("median_fraction_of_ideal", "fraction of the ideal GEMM, median", "{:.0%}"),
-)
-
-
-def _summary_lines(mode: str, s: dict) -> str:
-    lines = [f"{mode}:"]
-    width = max(len(label) for _, label, _ in _SUMMARY_LABELS)
-    for key, label, fmt in _SUMMARY_LABELS:
-        if s.get(key) is not None:
-            lines.append(f"  {label:{width}s}  {fmt.format(s[key])}")
-    return "\n".join(lines)
-
-
-def _fmt_us(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v / 1000:.2f}ms" if v >= 10000 else f"{v:.0f}us" if v >= 100 else f"{v:.1f}us"
-
-
 def _builtin_columns(r: dict) -> str:
     b = r.get("builtin_choice")
     t = r["times_us"].get(b) if b else None
@@ -495,8 +564,25 @@ def _compiled_models(s: str) -> tuple[str, ...]:
     return out
 
 
-def _ratio(v, width: int = 7) -> str:
-    return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}s}"
+def _check_compiler(name: str) -> None:
+    """``--compiler`` must be a torch.compile backend: found now, not after every point failed."""
+    import torch._dynamo
+
+    from ._errors import BlockDiagError
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise BlockDiagError(f"--compiler: {name!r} is not a torch.compile backend here (e.g. "
+                             f"{', '.join(n for n in ('inductor', 'aot_eager', 'eager') if n in known)})")
+
+
+def _announce(command: str, args, points: int, modes, writes: str, estimate: str) -> None:
+    """Before the run, on stderr: what is measured, what is written, and how long it may take."""
+    from . import profile as prof
+
+    print(f"blockdiag {command}: {points} points on {prof.device_name(args.device)}, "
+          f"{str(args.dtype).replace('torch.', '')}, {', '.join(modes)}; writes {writes}\n{estimate}",
+          file=sys.stderr)
 
 
 def _bench_compiled(args, grid, modes) -> int:
@@ -504,18 +590,28 @@ def _bench_compiled(args, grid, modes) -> int:
     from . import profile as prof
     from .tuning import COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
 
+    bd = ["auto", *dict.fromkeys(args.backends or ())]
+    # Per point and model: each blockdiag module eager and compiled, and the compiled peers.
+    flops = _point_flops(grid, modes, args.max_gflop) * len(args.compiled)
+    steps = 2 * len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS))
+    _announce("bench", args, len(flops), modes, args.json or "nothing (no --json)",
+              fmt.estimate_line(flops, steps, "modules", args.repeat, args.min_time, args.device,
+                                "compiling adds seconds to minutes per point"))
     rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
                           backends=args.backends, rounds=args.repeat, min_time=args.min_time,
                           baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
                           refine=args.refine, compiler=args.compiler, progress=sys.stderr)
-    bd = ["auto", *dict.fromkeys(args.backends or ())]
     cols = [c for n in bd for c in (n, f"{n}_compiled")] + ([] if args.no_baselines else list(COMPILED_PEERS))
-    label = {c: c.replace("_compiled", "_c") for c in cols}
+    timed = [r for r in rows if "times_us" in r]
+    units = {c: fmt.unit(r["times_us"].get(c) for r in timed) for c in cols}
+    label = {c: f"{c.replace('_compiled', '_c')} {units[c]}" for c in cols}
+    width = max([9, *(len(v) for v in label.values())])
     ratio_cols = [(n, "c/eager" if n == "auto" else f"{n}:c/e", "c/peer" if n == "auto" else f"{n}:c/p") for n in bd]
     print(f"torch.compile (backend {args.compiler}, dynamic=False, compile time excluded), {args.stat} of "
-          f"{args.repeat} interleaved rounds; _c: compiled; c/eager: compiled blockdiag over eager blockdiag; "
-          f"c/peer: compiled blockdiag over the fastest compiled peer (loop of heads, vmap)")
-    head = f"{'mode':7s} {'model':6s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{label[c]:>9s}" for c in cols)
+          f"{args.repeat} interleaved rounds; times in the unit of their column (us or ms); _c: compiled; "
+          f"c/eager: compiled blockdiag over eager blockdiag; c/peer: compiled blockdiag over the fastest "
+          f"compiled peer (loop of heads, vmap)")
+    head = f"{'mode':7s} {'model':6s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{label[c]:>{width}s}" for c in cols)
     head += "".join(f" {e:>7s} {c:>7s}" for _, e, c in ratio_cols) + f" {'choice':>8s}"
     print(head)
     for r in rows:
@@ -528,12 +624,12 @@ def _bench_compiled(args, grid, modes) -> int:
 
         def cell(c, t=t, failed=failed):
             if c in t:
-                return _fmt_us(t[c])
+                return fmt.in_unit(t[c], units[c])
             return "wrong" if failed.get(c, "").startswith("wrong result") else "failed" if c in failed else "-"
 
-        print(lead + " ".join(f"{cell(c):>9s}" for c in cols)
-              + "".join(f" {_ratio(r['compiled_over_eager'].get(n))} {_ratio(r['compiled_over_best_peer'].get(n))}"
-                        for n, _, _ in ratio_cols)
+        print(lead + " ".join(f"{cell(c):>{width}s}" for c in cols)
+              + "".join(f" {fmt.ratio(r['compiled_over_eager'].get(n))} "
+                        f"{fmt.ratio(r['compiled_over_best_peer'].get(n))}" for n, _, _ in ratio_cols)
               + f" {r.get('auto') or '-':>8s}")
     for r in rows:
         for c, why in r.get("failed", {}).items():
@@ -542,10 +638,10 @@ def _bench_compiled(args, grid, modes) -> int:
     summary = summarize_compiled(rows)
     for mode, per in summary.items():
         for key, s in per.items():
-            print(f"{mode} {key}: " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "targets_met"))
+            print(fmt.summary_lines(f"{mode} {key}", s, fmt.COMPILED_SUMMARY, skip=("targets_met",)))
             if "targets_met" in s:
                 met = s["targets_met"]
-                print(f"{mode} {key}: issue 21's targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+                print("  issue 21's targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
     if args.json:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
@@ -558,17 +654,18 @@ def _bench_compiled(args, grid, modes) -> int:
 
 
 def cmd_bench(args) -> int:
-    import contextlib
-
     from . import profile as prof
     from .settings import config
     from .tuning import allocator_env, bench, summarize
 
-    _check_backends(args.backends)
+    _check_backends(args.backends, args.device, args.dtype)
     _check_output("--json", args.json)
+    _check_profile_input(args.profile)
+    if args.compiled:
+        _check_compiler(args.compiler)
     grid = _grid(args, "targets")
     _check_grid_memory(grid, ("train",) if args.compiled or args.mode != "forward" else ("forward",),
-                       args.dtype, args.max_gflop)
+                       args.dtype, args.max_gflop, baselines=not args.no_baselines)
     if args.mode is None:  # bench's own default: both, and the training step alone with --compiled
         args.mode = "train" if args.compiled else "both"
     modes = _modes(args)
@@ -576,6 +673,16 @@ def cmd_bench(args) -> int:
     if args.compiled:
         with ctx:
             return _bench_compiled(args, grid, modes)
+    n_backends = len(args.backends) if args.backends else len(_runnable_names(args.device))
+    flops = _point_flops(grid, modes, args.max_gflop)
+    # Per point: the backends, auto, auto's choice forced, the ideal GEMM and the baselines.
+    steps = n_backends + 3 + (0 if args.no_baselines else 2)
+    what = f"steps ({n_backends} backends, auto, its kernel, the ideal GEMM" + (
+        ")" if args.no_baselines else ", 2 baselines)")
+    more = "refining near-ties adds some" + ("" if args.json is None or args.no_memory else
+                                             ", --json's peak-memory runs more")
+    _announce("bench", args, len(flops), modes, args.json or "nothing (no --json)",
+              fmt.estimate_line(flops, steps, what, args.repeat, args.min_time, args.device, more))
     with ctx:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
@@ -584,8 +691,8 @@ def cmd_bench(args) -> int:
     names_ = sorted({n for r in rows for n in r.get("times_us", {})})
     timed = [r for r in rows if "skipped_point" not in r]
     # One unit per column, picked from its values: ms when its largest time reaches 10 ms.
-    units = {n: _unit([r["times_us"].get(n) for r in timed]) for n in names_}
-    units["auto"] = _unit([r["auto_us"] for r in timed])
+    units = {n: fmt.unit(r["times_us"].get(n) for r in timed) for n in names_}
+    units["auto"] = fmt.unit(r["auto_us"] for r in timed)
     print(f"times in the unit of their column (us or ms), {args.stat} of {args.repeat} interleaved rounds; "
           "a/best: auto over the fastest backend; a/kern: auto over its choice forced; %ideal: the ideal "
           "GEMM's time over auto's; xloop, xvmap: auto's speed-up over the nn.Linear loop and vmap")
@@ -606,8 +713,8 @@ def cmd_bench(args) -> int:
         bl = r.get("baselines_us", {})
         xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
         xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
-        print(lead + " ".join(f"{_in_unit(t.get(n), units[n]):>11s}" for n in names_)
-              + f" {_in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {r['auto_over_fastest']:6.2f}"
+        print(lead + " ".join(f"{fmt.in_unit(t.get(n), units[n]):>11s}" for n in names_)
+              + f" {fmt.in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {fmt.ratio(r['auto_over_fastest'], 6)}"
               + f" {r['auto_over_kernel']:6.2f}"
               + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
               + (_builtin_columns(r) if builtin else ""))
@@ -616,11 +723,7 @@ def cmd_bench(args) -> int:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
     summary = summarize(rows)
     for mode, s in summary.items():
-        print(_summary_lines(mode, s))
-        if "geomean_choice_over_builtin_choice" in s:
-            print(f"{mode}: the profile's choices against the built-in table's, timed in this run: "
-                  f"{s['geomean_choice_over_builtin_choice']:.3f}x on geometric mean (below 1: the profile "
-                  f"chose faster); they differ at {s['choices_differing_from_builtin']} of {s['points']} points")
+        print(fmt.summary_lines(mode, s))
     if args.json:
         out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
@@ -631,46 +734,44 @@ def cmd_bench(args) -> int:
     return 0
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Examples kept as written; every option's default shown (unless its help gives it)."""
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit status 2, without the usage block."""
 
-    def _get_help_string(self, action):
-        h = action.help or ""
-        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-        if "default" in h or flag or action.default is None or action.default is argparse.SUPPRESS:
-            return h
-        d = action.default
-        if isinstance(d, torch.dtype):
-            d = str(d).replace("torch.", "")
-        elif isinstance(d, list):
-            d = ",".join(map(str, d))
-        return f"{h} (default {d})"
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="blockdiag",
-        description="blockdiag: many small independent linear layers as one block-diagonal operation. "
-                    "Commands: demo (the forum's model, loop against GroupedMLP), tune (measure this "
-                    "machine and write a tuning profile), explain (the plan auto follows for a shape), "
-                    "bench (every backend, auto and the baselines over a grid).",
-        epilog="run 'blockdiag COMMAND --help' for a command's options and an example",
+        description="blockdiag: many small independent linear layers (ensemble, multi-task and per-agent "
+                    "heads) as one block-diagonal operation. These commands show the speed-up, and measure "
+                    "and explain which multiply auto picks on this machine.",
+        epilog="examples:\n"
+               "  blockdiag demo                 # the forum's 50 heads: loop against GroupedMLP\n"
+               "  blockdiag explain --batch 256 --groups 50 --block 150x10\n"
+               "  blockdiag tune                 # measure this machine, write its profile\n"
+               "  blockdiag bench --quick        # every backend against auto and the baselines\n"
+               "\n"
+               "'blockdiag COMMAND --help' gives a command's options and examples.",
+        formatter_class=fmt.HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"blockdiag {__version__} (torch {torch.__version__})")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     d = sub.add_parser(
         "demo", help="train the forum's loop-of-heads model and GroupedMLP side by side",
         description="Train the forum thread's model (a Python loop over independent heads, then cat) and "
                     "the same heads as one GroupedMLP, interleaved epoch by epoch, and print both losses "
                     "and the speed-up.",
         epilog="example:\n  blockdiag demo --heads 50 --epochs 3",
-        formatter_class=_Formatter,
+        formatter_class=fmt.HelpFormatter,
     )
     d.add_argument("--heads", type=_positive, default=50, help="independent heads")
     d.add_argument("--in-features", type=_positive, default=150, help="input features every head reads")
-    d.add_argument("--hidden", type=_parse_hidden, default=[10, 10], help="hidden sizes, comma-separated, e.g. 10,10")
+    d.add_argument("--hidden", type=_parse_hidden, default=[10, 10],
+                   help="hidden sizes, comma-separated, e.g. 10,10 ('' for one linear layer per head)")
     d.add_argument("--out-features", type=_positive, default=1, help="outputs per head")
     d.add_argument("--batch", type=_positive, default=64, help="rows per training step")
     d.add_argument("--samples", type=_positive, default=4096, help="training samples (random)")
@@ -684,18 +785,27 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "tune", help="measure the backends on this machine and write a tuning profile",
         description="Time every backend at each point of a grid on this machine and merge the winners into "
-                    "the tuning profile that auto reads (the file is named before the run starts, with an "
-                    "estimate of its duration). tune defaults to the quick grid and a 5%% refine margin: "
-                    "it measures many backends per point, where bench measures the target grid and "
-                    "refines auto's choice against the fastest at 10%%.",
+                    "the tuning profile that auto reads. Before it starts, tune names the profile file it "
+                    "will write and estimates how long the run takes (on stderr).\n\n"
+                    "Its defaults differ from bench's on purpose: tune times every backend at every "
+                    "point, so it defaults to the quick grid (18 shapes, a minute or two on a 2-core CPU; "
+                    "the target grid's 48, with 256x256 blocks, take about eight times as long), and "
+                    "near-ties within 5% get more rounds, since the winner it records is a ranking; "
+                    "bench's verdicts are 10% margins (auto within 1.10 of the fastest), so it refines "
+                    "at 10%.",
         epilog="examples:\n"
-               "  blockdiag tune --quick --mode train            # a few minutes\n"
-               "  blockdiag tune --blocks 150x10 --groups 50 --batch 256 --profile /tmp/p.json",
-        formatter_class=_Formatter,
+               "  # the quick grid, training only: about a minute on a 2-core CPU\n"
+               "  blockdiag tune --mode train\n"
+               "  # one shape, into a profile of its own\n"
+               "  blockdiag tune --blocks 150x10 --groups 50 --batch 256 --profile /tmp/p.json\n"
+               "  # the built-in table's grid, and its decision map\n"
+               "  blockdiag tune --full --max-gflop 20 --plot map.png",
+        formatter_class=fmt.HelpFormatter,
     )
-    _add_grid_options(t, "quick")
-    t.add_argument("--plot", metavar="FILE.png", help="also draw the decision map (needs matplotlib)")
-    t.add_argument("--refine", type=_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
+    _add_grid_options(t, "quick", "profile file to merge the results into")
+    t.add_argument("--plot", type=_path, metavar="FILE.png",
+                   help="also draw the decision map, 800 px wide (needs matplotlib; default: none)")
+    t.add_argument("--refine", type=_finite_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
                    help=f"backends within this fraction of the fastest get --repeat more rounds "
                         f"(default {TIE_MARGIN:g}; 0 disables)")
     t.add_argument("--no-rematch", dest="rematch", action="store_false",
@@ -705,35 +815,48 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "explain", help="print the plan auto follows for one shape, and why",
         description="Print the plan auto follows for one problem: the backend, the table entry it comes "
-                    "from, the candidates and why the others were left out.",
+                    "from, the candidates and why the others were left out. Nothing is run or timed, so "
+                    "the device need not be present.",
         epilog="example:\n  blockdiag explain --batch 256 --groups 50 --block 150x10 --train",
-        formatter_class=_Formatter,
+        formatter_class=fmt.HelpFormatter,
     )
     e.add_argument("--batch", type=_positive, required=True, help="rows (the product of the leading dimensions)")
     e.add_argument("--groups", type=_positive, required=True, help="groups (heads)")
     e.add_argument("--block", type=_block, required=True, help="IN x OUT per group, e.g. 10x10 or 150x10")
     e.add_argument("--train", action="store_true", help="plan for forward+backward (default: forward only)")
-    e.add_argument("--device", default="cpu", help="device type to plan for; no device is needed")
+    e.add_argument("--device", type=_device_type, default="cpu",
+                   help="device type to plan for (cpu, cuda, ...); no device is needed")
     e.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)}")
-    e.add_argument("--profile", help="profile file to use (default $BLOCKDIAG_PROFILE or the user cache directory)")
+    e.add_argument("--profile", type=_path, help="profile file to read (default $BLOCKDIAG_PROFILE or the user cache directory)")
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser(
         "bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid",
         description="Time every backend, auto, the ideal GEMM and the baselines (the nn.Linear loop, vmap "
                     "ensembling) over a grid, in interleaved rounds, and print each point's times and "
-                    "ratios measured in the same run. Writes nothing unless --json is given.",
+                    "ratios measured in the same run, then a summary per mode. Before it starts, bench "
+                    "estimates how long the run takes (on stderr). Writes nothing unless --json is given.\n\n"
+                    "Its defaults differ from tune's on purpose: bench checks the project's performance "
+                    "targets, so it defaults to the target grid (48 shapes, about 20 minutes on a 2-core "
+                    "CPU; --quick: a minute or two), and refines at 10% because its "
+                    "verdicts are 10% margins (auto within 1.10 of the fastest); tune refines near-ties "
+                    "at 5%.",
         epilog="examples:\n"
+               "  # the quick grid, forward only: about a minute on a 2-core CPU\n"
                "  blockdiag bench --quick --mode forward\n"
-               "  blockdiag bench --blocks 10x10,150x10 --backends simd,bmm_fm,mkl_batch,loop --json out.json\n"
+               "  # three backends at two block shapes, every result into a file\n"
+               "  blockdiag bench --blocks 10x10,150x10 --backends simd,bmm_fm,loop \\\n"
+               "      --json out.json\n"
+               "  # torch.compile(GroupedLinear) against the compiled loop and vmap\n"
                "  blockdiag bench --compiled linear --batch 256 --groups 16",
-        formatter_class=_Formatter,
+        formatter_class=fmt.HelpFormatter,
     )
-    _add_grid_options(b, "targets")
-    b.add_argument("--json", metavar="FILE", help="write all results (with peak memory) as JSON")
+    _add_grid_options(b, "targets", "profile file auto reads")
+    b.add_argument("--json", type=_path, metavar="FILE",
+                   help="also write all results (with peak memory) as JSON (default: none, the table only)")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
-    b.add_argument("--refine", type=_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",
+    b.add_argument("--refine", type=_finite_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",
                    help=f"auto, its choice, the nn.Linear loop and the backends within this fraction of "
                         f"the fastest get --repeat more rounds (default {BENCH_REFINE:g}; 0 disables)")
     # A flag, not a --mode value: --mode says which pass is timed (and is tune's option too),
@@ -768,11 +891,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        with _quiet_torch_betas():
+        with _quiet_torch_betas(), _one_line_warnings(args.command):
             return args.func(args)
     except BlockDiagError as e:
-        print(f"blockdiag {args.command}: error: {e}", file=sys.stderr)
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"blockdiag {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"blockdiag {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

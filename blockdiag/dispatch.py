@@ -6,7 +6,9 @@ settings in force and the tuning table; its result is cached. It works in two st
 1. Constraints as data: every registered backend is asked why it would decline the
    problem (device, dtype, grad, shape rules, optional package missing), then the
    crossovers of :mod:`blockdiag.settings` filter the rest (the sparsity threshold for
-   sparse layouts; ``dense_max_groups`` / ``dense_max_elements`` for the dense GEMM).
+   sparse layouts; ``dense_max_groups`` / ``dense_max_elements`` for the dense GEMM; with
+   ``double_backward`` set, training keeps to backends declaring ``double_grad``).
+   :func:`candidates` is this filter on its own, the one ``tune`` and ``bench`` use too.
 2. Ranking by data: the measured table (the tuning profile, or the built-in table) gives
    each backend's time in the problem's mode. At a measured shape that is the measurement;
    elsewhere it is blended from the ``NEIGHBOURS`` measured shapes nearest in log space
@@ -34,11 +36,10 @@ plan depends on may have changed, so a cached plan is never checked, only looked
   bumps, so ``monkeypatch.setitem`` on it does too);
 - this thread's ``config`` stack, as a small id (equal stacks share one: re-entering the same
   ``with config(...)`` block finds the plans cached the first time);
-- the five environment variables the chooser reads (``BLOCKDIAG_*`` and
-  ``XDG_CACHE_HOME``, which name the settings and the profile's path). The environment
-  cannot tell anyone it changed, so :func:`epoch` reads them on every call, straight from
-  ``os.environ``'s mapping (a dictionary lookup each, no system call): a change is seen at
-  the next call.
+- the environment variables the chooser reads (``BLOCKDIAG_*`` and ``XDG_CACHE_HOME``,
+  which name the settings and the profile's path). The environment cannot tell anyone it
+  changed, so :func:`epoch` reads them on every call, straight from ``os.environ``'s
+  mapping (a dictionary lookup each, no system call): a change is seen at the next call.
 
 Two more things change without telling anyone, and are dearer to look at: the profile
 files, which another process can rewrite (a ``stat`` system call each), and the thread count
@@ -76,17 +77,21 @@ __all__ = [
     "NEIGHBOURS", "nearest_measurements", "blended_times",
 ]
 
-# Used when no measured table covers the problem: measured geomean ranks on each device type
-# (time over the fastest in the built-in table, over both modes; bmm_fm_bmm and bmm_fm_loop
-# only run with autograd, so in forward mode the order starts at bmm_fm). CUDA: the H200
-# float32 table (bmm_fm_bmm 1.06, bmm_fm 1.09, bmm 1.39, dense 2.13, conv 3.28, bmm_fm_loop
-# 3.55, bsr 4.56, csr 5.11, loop 12.4); grouped_mm, measured only in bfloat16 there, follows
-# bmm, and torch_sparse, not installed there, comes last.
+# Used where no measured table covers the problem, or for backends it did not measure: per
+# device type, the backends in the order of their geometric-mean time over the fastest in
+# the built-in table, over both modes (bmm_fm_bmm and bmm_fm_loop run only with autograd: in
+# forward mode they are screened out, and the order starts at bmm_fm). A backend the table
+# measured in another dtype only (grouped_mm on CUDA) is placed by that dtype's ranks, one
+# it could not measure (torch_sparse, an optional package) comes last, and a backend
+# registered later (blockdiag.register_backend) after all of these.
 FALLBACK_ORDER = {
     "cpu": ("simd", "bmm_fm_bmm", "bmm_fm_loop", "bmm_fm", "mkl_batch", "bmm", "loop", "csr", "bsr", "conv", "dense", "torch_sparse"),
     "cuda": ("bmm_fm_bmm", "bmm_fm", "bmm", "grouped_mm", "dense", "conv", "bmm_fm_loop", "bsr", "csr", "loop", "torch_sparse"),
 }
 
+# The crossovers: a profile derives them from its times, so each resolves from the profile's
+# value too, and every plan lists them. ``double_backward`` is the user's word only (no
+# table can know whether the gradients are differentiated again) and is listed where set.
 SETTINGS_USED = ("sparsity_threshold", "dense_max_groups", "dense_max_elements")
 
 # Off-grid shapes are ranked from this many nearest measurements, not only the nearest: a
@@ -194,7 +199,9 @@ def _distance(p: Problem, m: dict) -> float:
 
 def _resolved_settings(entry: Optional[dict], label: str) -> tuple[tuple[str, object, str], ...]:
     prof = (entry or {}).get("settings", {})
-    return tuple((k, *_config.resolve(k, prof.get(k), label)) for k in SETTINGS_USED)
+    out = tuple((k, *_config.resolve(k, prof.get(k), label)) for k in SETTINGS_USED)
+    double = _config._explicit("double_backward")
+    return out + (("double_backward", *double),) if double is not None and double[0] else out
 
 
 def choose(problem: Problem) -> Plan:
@@ -415,8 +422,8 @@ def cached_plan(backend: str, problem: Problem, fn_name: str = "GroupedLinear") 
 def settings_exclusion(b: Backend, p: Problem, s: Optional[dict]) -> Optional[str]:
     """Why the chooser's settings (or a forward-only duplicate) exclude ``b`` from ``p``, or None.
 
-    ``s`` maps each of :data:`SETTINGS_USED` to its value; None applies only the
-    forward-only duplicate rule (``Backend.same_forward_as``).
+    ``s`` maps each of :data:`SETTINGS_USED` to its value, and ``double_backward`` where it
+    is set; None applies only the forward-only duplicate rule (``Backend.same_forward_as``).
     """
     if b.same_forward_as is not None and not p.requires_grad:
         return f"without autograd it is {b.same_forward_as}'s forward, ranked under that name"
@@ -430,11 +437,14 @@ def settings_exclusion(b: Backend, p: Problem, s: Optional[dict]) -> Optional[st
         if p.dense_elements > s["dense_max_elements"]:
             return f"dense matrix has {p.dense_elements} entries > dense_max_elements={s['dense_max_elements']}"
     if not b.isolates_groups and not any(map(_config._explicit, ("dense_max_groups", "dense_max_elements"))):
-        # Issue 22, item 8: a NaN/Inf in one group would reach every group. At most 1.15x
-        # faster in the built-in table (1 of 120 CPU points, none on the H200), so `auto`
-        # takes that only on the user's word (config/set_config/environment), not a table's.
+        # A NaN/Inf in one group would reach every group (0 * NaN is NaN in a dense GEMM):
+        # a change of results, not only of speed, for at best a small gain where the dense
+        # GEMM wins at all. So `auto` takes that only on the user's word (config, set_config,
+        # the environment), never on a table's.
         return ("does not isolate groups (a NaN/Inf in one group's input reaches every group); "
                 "auto uses it only where dense_max_groups or dense_max_elements is set explicitly")
+    if s.get("double_backward") and p.requires_grad and not b.double_grad:
+        return "its backward is first-order only (double_grad=False), and double_backward is set"
     return None
 
 

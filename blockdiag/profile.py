@@ -548,7 +548,7 @@ def merge_entry(old: Optional[dict], new: dict) -> dict:
     the points it measured, so that a point re-tuned with more rounds is told apart from
     the rest.
     """
-    from .tuning.tune import derive_settings  # tuning imports this module: import it at call time
+    from .tuning._tune import derive_settings  # tuning imports this module: import it at call time
 
     if not old:
         return new

@@ -5,7 +5,8 @@ Precedence, highest first (each setting resolved on its own):
 1. an enclosing ``with blockdiag.config(...)`` block (innermost wins);
 2. :func:`blockdiag.set_sparsity_threshold` / :func:`set_config` (process-wide);
 3. the environment variable (``BLOCKDIAG_SPARSITY_THRESHOLD``, ``BLOCKDIAG_DENSE_MAX_GROUPS``,
-   ``BLOCKDIAG_DENSE_MAX_ELEMENTS``), read at each resolution;
+   ``BLOCKDIAG_DENSE_MAX_ELEMENTS``, ``BLOCKDIAG_DOUBLE_BACKWARD``, ``BLOCKDIAG_PROFILE``),
+   read at each resolution;
 4. the matching tuning profile's measured value (``blockdiag tune``);
 5. the built-in default below.
 
@@ -34,7 +35,7 @@ __all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_se
 
 @dataclass(frozen=True)
 class Settings:
-    """The knobs ``auto`` reads (all crossovers of the decision table).
+    """The knobs ``auto`` reads: the decision table's crossovers, its path, and ``double_backward``.
 
     Attributes:
         sparsity_threshold: sparse layouts (CSR, BSR, torch-sparse) are candidates only when
@@ -43,12 +44,20 @@ class Settings:
             groups (its cost grows with ``groups**2``).
         dense_max_elements: ... and only while the dense matrix has at most this many entries.
         profile: path of the tuning profile, or None for the default location.
+        double_backward: ``True`` keeps ``auto``, for training, on the backends whose backward
+            is itself differentiable (:attr:`blockdiag.Backend.double_grad`), so that
+            ``create_graph=True`` (gradient penalties, Hessian-vector products) works
+            whichever backend the table ranks first. Off by default, so ``auto`` may train
+            on a first-order backend (the sparse layouts, ``grouped_mm``), and such a backend
+            refuses a second backward with :class:`BlockDiagError`. The environment variable takes
+            ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``.
     """
 
     sparsity_threshold: float = 1.0
     dense_max_groups: int = 16
     dense_max_elements: int = 1 << 22
     profile: Optional[str] = None
+    double_backward: bool = False
 
 
 DEFAULTS = Settings()
@@ -57,6 +66,7 @@ _ENV = {
     "dense_max_groups": ("BLOCKDIAG_DENSE_MAX_GROUPS", int),
     "dense_max_elements": ("BLOCKDIAG_DENSE_MAX_ELEMENTS", int),
     "profile": ("BLOCKDIAG_PROFILE", str),
+    "double_backward": ("BLOCKDIAG_DOUBLE_BACKWARD", bool),
 }
 _FIELDS = tuple(_ENV)
 
@@ -72,11 +82,18 @@ _global: dict[str, Any] = {}
 _local = _Local()
 
 
-_KIND = {float: "a float", int: "an int", str: "a path (str or os.PathLike)"}
+_KIND = {float: "a float", int: "an int", str: "a path (str or os.PathLike)", bool: "True or False"}
+# What the environment may say for a bool setting (case-insensitive).
+_BOOL_WORDS = {
+    "1": True, "true": True, "yes": True, "on": True,
+    "0": False, "false": False, "no": False, "off": False,
+}
 
 
 def _exact(typ: type, value: Any) -> bool:
     """Whether a non-string ``value`` is a ``typ`` without losing anything in the conversion."""
+    if typ is bool:
+        return isinstance(value, bool)
     if isinstance(value, bool):
         return False
     if typ is float:
@@ -98,6 +115,16 @@ def _validate(name: str, value: Any, source: str) -> Any:
         raise BlockDiagError(f"{source}: {name} must be {_KIND[typ]}, got {value!r}")
     if name == "profile" and isinstance(value, os.PathLike):
         value = os.fspath(value)
+    if typ is bool:
+        # bool("false") is True: a string must be one of the words, not merely non-empty.
+        if isinstance(value, bool):
+            return value
+        v = _BOOL_WORDS.get(value.strip().lower())
+        if v is None:
+            raise BlockDiagError(
+                f"{source}: {name} must be {_KIND[typ]} (or 1/0, true/false, yes/no, on/off), got {value!r}"
+            )
+        return v
     try:
         v = typ(value)
     except (TypeError, ValueError):
@@ -125,7 +152,8 @@ def set_config(**settings: Any) -> None:
     try:
         for k, v in settings.items():
             if v is None:
-                _validate(k, 0 if k != "profile" else None, "set_config")
+                if k not in _ENV:  # an unknown name raises; a known one is un-set, no value to check
+                    _validate(k, None, "set_config")
                 _global.pop(k, None)
             else:
                 _global[k] = _validate(k, v, "set_config")
@@ -268,23 +296,24 @@ _EPOCH_KEYS = tuple(_ENCODE(v) for v in _EPOCH_VARS) if _ENV_DATA is not None an
 
 
 if _EPOCH_KEYS is not None:
-    # Unpacked by hand: five ``dict.get`` calls cost 130 ns, ``tuple(map(...))`` over the same
-    # keys 310 ns, and this runs on every ``auto`` call. The unpacking fails at import if a
-    # variable is added to ``_ENV`` without a slot here. Flat, not nested: the epoch is hashed
-    # on every call too; ``epoch()[2:]`` are the variables' values.
-    _K0, _K1, _K2, _K3, _K4 = _EPOCH_KEYS
+    # Unpacked by hand: one ``dict.get`` call per key, written out, costs about half of
+    # ``tuple(map(...))`` over the same keys (no iterator, no tuple growth), and this runs on
+    # every ``auto`` call. The unpacking fails at import if a variable is added to ``_ENV``
+    # without a slot here. Flat, not nested: the epoch is hashed on every call too;
+    # ``epoch()[2:]`` are the variables' values.
+    _K0, _K1, _K2, _K3, _K4, _K5 = _EPOCH_KEYS
 
     def epoch(_get=_ENV_DATA.get, _now=time.monotonic) -> tuple:
         """A cheap, hashable value that changes whenever ``auto``'s answer may change.
 
-        ``(generation, this thread's config stack, the five environment variables)``; the
+        ``(generation, this thread's config stack, the six environment variables)``; the
         profile files on disk and the thread count are looked at every
         :data:`blockdiag.profile.RECHECK_S` seconds at most (a change bumps ``generation``).
         See :mod:`blockdiag.dispatch`.
         """
         if _now() >= _recheck_at:
             _recheck(_now())
-        return generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4)
+        return generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4), _get(_K5)
 
 else:
 

@@ -417,7 +417,8 @@ def test_bench_under_a_profile_times_the_builtin_choice_too(tmp_path, capsys):
         s = doc["summary"][r["mode"]]
         b = r["times_us"][r["builtin_choice"]]
         assert s["geomean_choice_over_builtin_choice"] == pytest.approx(r["times_us"]["bmm"] / b, rel=2e-3, abs=1e-4)
-        assert f"{r['mode']}: the profile's choices against the built-in table's, timed in this run" in out
+        block = out.split(f"\n{r['mode']}:\n", 1)[1]  # the mode's labelled summary
+        assert "the profile's choice over the built-in one, geometric mean" in block.split("\n\n")[0]
         b_best = f"{b / r['times_us'][r['fastest']]:6.2f}"
         assert any(ln.startswith(r["mode"]) and ln.endswith(f" {r['builtin_choice']:>11s} {b_best}")
                    for ln in out.splitlines())
@@ -557,7 +558,7 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     printed = capsys.readouterr().out
     assert "c/eager" in printed and "c/peer" in printed and "wrong" in printed
     assert "failed: train linear B=4 G=3 3x2 vmap_compiled: RuntimeError: backend='x' raised: boom" in printed
-    assert "train all: issue 21's targets:" in printed
+    assert "\ntrain all:\n" in printed and "issue 21's targets:" in printed.split("\ntrain all:\n")[1]
     doc = json.loads(out_json.read_text())
     assert doc["compiled"] == {"models": ["linear", "mlp"], "compiler": "aot_eager", "dynamic": False}
     rows = doc["rows"]
@@ -634,6 +635,89 @@ def test_tune_names_its_profile_and_estimates_before_starting(tmp_path, capsys):
     assert "2 backends" in first[1], err
 
 
+def test_bench_estimates_its_duration_before_starting(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tuning, "bench", lambda *a, **k: seen.append(capsys.readouterr().err) or [])
+    assert main(["bench", *TINY, "--backends", "loop,bmm", "--mode", "forward", "--no-baselines"]) == 0
+    (err,) = seen  # what was on stderr when the run started
+    first, second = err.splitlines()[:2]
+    assert first.startswith("blockdiag bench: 2 points on ") and first.endswith("writes nothing (no --json)"), err
+    assert second.startswith(("estimated duration: about ", "estimated duration: under 1 s")) and "2 backends" in second, err
+    assert "about under" not in second, err
+
+
+def test_the_duration_estimate_and_its_basis(monkeypatch):
+    from blockdiag import _cli_format as fmt
+    from blockdiag.cli import _point_flops
+
+    monkeypatch.setattr(fmt.torch, "get_num_threads", lambda: 2)
+    # The run the model is calibrated on: tune --full --mode both --max-gflop 20 took 634 s
+    # on the project's 2-core CPU (11 backends).
+    flops = _point_flops(tuning.GRIDS["full"], ("forward", "train"), 20.0)
+    assert len(flops) == 166
+    assert 500 < fmt.estimate_seconds(flops, 11, 5, 1e-2, "cpu") < 800
+    # Short calls: a sample lasts about 2.2 x --min-time (the repeat count grows 4x at a time).
+    assert fmt.estimate_seconds([1.0], 1, 5, 1e-2, "cpu") == pytest.approx(7 * 2.2e-2)
+    # Long calls: one call at the assumed rate, 24 GFLOP/s per thread.
+    assert fmt.estimate_seconds([48e9], 1, 5, 1e-2, "cpu") == pytest.approx(7.0)
+    line = fmt.estimate_line([48e9], 3, "backends", 5, 1e-2, "cpu", "more")
+    assert line == ("estimated duration: about 21 s (21 samples: 1 point x 3 backends x (5 rounds + 2 to "
+                    "calibrate); each one call at 24 GFLOP/s x 2 threads, or about 2.2 x 0.01 s for shorter "
+                    "calls; more)")
+    assert [fmt.duration(s) for s in (0.2, 40, 720, 9000)] == ["under 1 s", "40 s", "12 min", "2.5 h"]
+
+
+def test_a_column_of_times_has_one_unit_chosen_from_its_values():
+    from blockdiag import _cli_format as fmt
+
+    # The issue's column: 6171us beside 24.45ms. One unit, from the column's largest value.
+    col = [6171.0, 24450.0, 91.0, None]
+    assert fmt.unit(col) == "ms" and [fmt.in_unit(v, "ms") for v in col] == ["6.17", "24.45", "0.091", "-"]
+    assert fmt.unit([12.0, 9999.0]) == "us" and [fmt.in_unit(v, "us") for v in (12.0, 9999.0)] == ["12.0", "9999"]
+
+
+def test_the_summary_labels_every_figure():
+    from blockdiag import _cli_format as fmt
+
+    text = fmt.summary_lines("forward", {"points": 3, "geomean_auto_over_fastest": 1.0234, "worst_point": "B=4",
+                                         "median_fraction_of_ideal": 0.5, "a_new_figure": 7})
+    lines = text.splitlines()
+    assert lines[0] == "forward:"
+    assert [ln.split("  ")[-1].strip() for ln in lines[1:]] == ["3", "1.023", "B=4", "50%", "7"]
+    assert "a new figure" in lines[-1] and "_fastest" not in text and "a_new" not in text
+
+
+def test_every_option_has_help_and_every_value_option_its_default():
+    import argparse
+
+    from blockdiag.cli import build_parser
+
+    top = build_parser()
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, parser in sub.choices.items():
+        assert parser.description and "example" in (parser.epilog or ""), name
+        fmt = parser._get_formatter()
+        for a in parser._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, (name, a.option_strings)
+            flag = a.nargs == 0
+            if not flag and not a.required and not (name == "bench" and a.dest == "mode"):
+                # bench's --mode defaults to both, or train with --compiled: its help says so
+                text = fmt._get_help_string(a)
+                assert "default" in text, (name, a.option_strings, text)
+
+
+def test_help_fits_an_80_column_terminal(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    for cmd in ([], ["demo"], ["tune"], ["explain"], ["bench"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        out = capsys.readouterr().out
+        long = [line for line in out.splitlines() if len(line) > 80]
+        assert not long, (cmd, long)
+
+
 def test_bench_columns_have_one_unit_and_the_summary_is_labelled(capsys):
     assert main(["bench", *TINY, "--backends", "loop,bmm", "--mode", "forward", "--no-baselines"]) == 0
     out = capsys.readouterr().out
@@ -666,6 +750,7 @@ def test_explain_never_claims_a_measurement_in_another_dtype(capsys):
 def test_the_decision_map_has_a_legend_and_a_title_that_fits(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+    from PIL import Image
 
     from blockdiag.tuning import plot_decision_map
 
@@ -673,15 +758,31 @@ def test_the_decision_map_has_a_legend_and_a_title_that_fits(tmp_path):
     real_savefig = plt.Figure.savefig
 
     def spy(fig, path, **kw):
-        seen["legends"] = len(fig.legends)
+        out = real_savefig(fig, path, **kw)
+        seen["legends"] = [[t.get_text() for t in leg.get_texts()] for leg in fig.legends]
         seen["title"] = fig._suptitle.get_text()
-        return real_savefig(fig, path, **kw)
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        # Every title (the figure's, the panels', the legends') lies wholly inside the image.
+        titles = [fig._suptitle, *(ax.title for ax in fig.axes), *(leg.get_title() for leg in fig.legends)]
+        seen["cut"] = [t.get_text() for t in titles if t.get_text() and not (
+            box.x0 <= t.get_window_extent(renderer).x0 and t.get_window_extent(renderer).x1 <= box.x1
+            and box.y0 <= t.get_window_extent(renderer).y0 and t.get_window_extent(renderer).y1 <= box.y1)]
+        return out
 
-    entry = {"device_name": "A CPU", "torch": "2", "dtype": "float32", "measurements": [
-        {"mode": "forward", "batch": b, "groups": g, "block_in": 2, "block_out": 2,
-         "times_us": {"loop": 1.0 + b, "bmm": 2.0 * g}} for b in (1, 8) for g in (1, 4)]}
+    entry = {"device_name": "A CPU with a rather long marketing name (2 threads)", "torch": "2.13.0+cpu",
+             "dtype": "float32", "measurements": [
+                 {"mode": mode, "batch": b, "groups": g, "block_in": i, "block_out": 2,
+                  "times_us": {"loop": 1.0 + b, "bmm": 2.0 * g, "bmm_fm_bmm": 3.0}}
+                 for mode in ("forward", "train") for i in (2, 150) for b in (1, 8) for g in (1, 4)]}
+    path = tmp_path / "map.png"
     with pytest.MonkeyPatch.context() as m:
         m.setattr(plt.Figure, "savefig", spy)
-        plot_decision_map(entry, str(tmp_path / "map.png"))
-    assert seen["legends"] == 1
+        plot_decision_map(entry, str(path))
+    # A legend naming the backends that win somewhere, and a key to the shades.
+    assert seen["legends"][0] == ["bmm", "bmm_fm_bmm", "loop"], seen["legends"]
+    assert len(seen["legends"]) == 2 and "under 1.05x" in seen["legends"][1], seen["legends"]
     assert all(len(line) <= 90 for line in seen["title"].splitlines()), seen["title"]
+    assert seen["cut"] == [], seen["cut"]
+    # Drawn at the docs' width, so that its 7-9 pt labels are read at that size.
+    assert Image.open(path).size[0] == 800

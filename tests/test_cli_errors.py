@@ -42,7 +42,9 @@ def _refused(args: list[str], *expected: str, capsys=None) -> None:
         err = capsys.readouterr().err
     assert rc == 2, (args, rc, err)
     assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
+    # One line: no usage block before it, nothing announced before the refusal.
+    assert len(err.strip().splitlines()) == 1, err
+    last = err.strip()
     for text in expected:
         assert text in last, (args, last)
 
@@ -155,3 +157,139 @@ def test_an_empty_backend_list_is_refused(cmd, value, capsys):
 
 def test_an_unknown_backend_is_one_line_and_status_2(capsys):
     _refused(["bench", *TINY, "--backends", "nope"], "nope", capsys=capsys)
+
+
+# --- refused as well: values that would hang, be ignored or fail after the whole run -------
+
+@pytest.mark.parametrize("option,value", [("--min-time", "inf"), ("--min-time", "nan"), ("--min-time", "-1"),
+                                          ("--refine", "inf"), ("--refine", "nan")])
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+def test_min_time_and_refine_must_be_finite(cmd, option, value, capsys):
+    # --min-time inf would time one sample forever (and estimate "inf min").
+    _refused([cmd, *TINY, option, value], option, f"got {value}", capsys=capsys)
+
+
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+def test_an_empty_block_list_is_refused(cmd, capsys):
+    # It used to fall back to the default grid's blocks without a word.
+    _refused([cmd, "--batch", "2", "--groups", "2", "--blocks", ","], "--blocks", "','", capsys=capsys)
+
+
+@pytest.mark.parametrize("device,expected", [("nonsense", "unknown device 'nonsense'"),
+                                             ("meta", "'meta' tensors hold no data"),
+                                             ("xpu", "no backend runs on xpu (they run on cpu, cuda")])
+def test_explain_refuses_a_device_torch_does_not_know(device, expected, capsys):
+    # It used to print every backend's "does not run on nonsense" as one 1000-character line.
+    _refused(["explain", "--batch", "2", "--groups", "2", "--block", "2x2", "--device", device],
+             "--device", expected, capsys=capsys)
+
+
+@CUDA_MISSING
+def test_explain_plans_for_a_device_this_machine_lacks(capsys):
+    # explain runs nothing: planning for a GPU on a machine without one is its use.
+    assert main(["explain", "--batch", "2", "--groups", "2", "--block", "2x2", "--device", "cuda"]) == 0
+    assert "cuda" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", ["explain", "bench"])
+def test_a_named_profile_that_does_not_exist_is_refused(cmd, tmp_path, monkeypatch, capsys):
+    # auto would fall back to the built-in table in silence: the user named a file to be used.
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    missing = tmp_path / "typo.json"
+    shape = ["--batch", "2", "--groups", "2", "--block", "2x2"] if cmd == "explain" else TINY
+    _refused([cmd, *shape, "--profile", str(missing)], "--profile", f"{str(missing)!r} does not exist",
+             capsys=capsys)
+
+
+def test_tune_creates_the_directories_of_its_profile(tmp_path, monkeypatch, capsys):
+    # On a fresh machine the user cache directory does not exist yet: tune makes it.
+    path = tmp_path / "fresh" / "cache" / "blockdiag" / "profile.json"
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(path))
+    assert main(["tune", *TINY, "--backends", "loop", "--mode", "forward", "--no-rematch"]) == 0
+    assert path.is_file() and f"writes {path}" in capsys.readouterr().err
+
+
+def test_a_profile_under_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    _refused(["tune", *TINY, "--profile", str(tmp_path / "f" / "p.json")], "--profile", "is not a directory",
+             capsys=capsys)
+
+
+def test_an_unknown_compiler_is_refused_before_the_run(monkeypatch, capsys):
+    # It used to run every point, each failing with InvalidBackend.
+    monkeypatch.setattr("blockdiag.tuning.bench_compiled", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["bench", *TINY, "--compiled", "--compiler", "nonsense"], "--compiler", "'nonsense'", capsys=capsys)
+
+
+def test_a_library_error_over_several_lines_is_printed_as_one(monkeypatch, capsys):
+    from blockdiag import BlockDiagError, cli
+
+    def fails(args):
+        raise BlockDiagError("first part\n  second part")
+
+    monkeypatch.setattr(cli, "cmd_explain", fails)
+    _refused(["explain", "--batch", "2", "--groups", "2", "--block", "2x2"],
+             "blockdiag explain: error: first part; second part", capsys=capsys)
+
+
+def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
+    from blockdiag import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_tune", interrupted)
+    assert main(["tune", *TINY]) == 130
+    assert capsys.readouterr().err == "blockdiag tune: interrupted\n"
+
+
+def test_a_corrupt_profile_is_one_warning_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc, out, err = _run(["explain", "--batch", "2", "--groups", "2", "--block", "2x2", "--profile", str(bad)])
+    assert rc == 0 and "Plan for" in out, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"blockdiag explain: ProfileWarning: tuning profile {bad} is corrupt"), line
+
+
+@pytest.mark.parametrize("cmd,option", [("tune", "--profile"), ("bench", "--profile"), ("explain", "--profile"),
+                                        ("tune", "--plot"), ("bench", "--json")])
+def test_an_empty_file_name_is_refused_not_taken_for_the_default(cmd, option, capsys, monkeypatch, tmp_path):
+    # tune --profile '' used to write the user's profile in the cache directory.
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "never.json"))
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    shape = ["--batch", "2", "--groups", "2", "--block", "2x2"] if cmd == "explain" else TINY
+    _refused([cmd, *shape, option, ""], option, "must name a file, got ''", capsys=capsys)
+    assert not (tmp_path / "never.json").exists()
+
+
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+@pytest.mark.parametrize("name", ["torch_sparse", "grouped_mm"])
+def test_a_named_backend_that_cannot_run_here_is_refused(cmd, name, capsys, monkeypatch, tmp_path):
+    # bench used to crash formatting a ratio of nothing (TypeError); tune wrote a profile
+    # without a single winner.
+    from blockdiag.backends import get
+
+    b = get(name)
+    if b.unavailable_reason() is None and "cpu" in b.dtypes:
+        pytest.skip(f"{name} runs here")
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "p.json"))
+    _refused([cmd, *TINY, "--backends", name], "--backends", f"{name!r} cannot run here", capsys=capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+def test_a_named_backend_without_the_dtype_is_refused(cmd, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "p.json"))
+    _refused([cmd, *TINY, "--backends", "mkl_batch", "--dtype", "float16"], "--backends",
+             "'mkl_batch' cannot run here: it does not take float16 on cpu", capsys=capsys)
+
+
+def test_the_baselines_modules_count_in_the_memory_estimate(tmp_path):
+    # 1x1 blocks: the operands of 1e8 groups are small, but the nn.Linear loop and vmap
+    # baselines build 2e8 modules (about 760 GiB); this used to hang building them.
+    rc, _, err = _run(["bench", "--batch", "1", "--groups", "100000000", "--blocks", "1x1", "--mode", "forward"],
+                      timeout=60)
+    assert rc == 2 and "Traceback" not in err, err
+    assert "B=1 G=100000000 1x1" in err and "--no-baselines" in err, err

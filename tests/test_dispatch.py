@@ -449,8 +449,10 @@ def test_the_double_backward_hint_is_derived_from_the_registry(monkeypatch):
 
     declared = [n for n in _registry.names() if _registry.get(n).double_grad and _registry.get(n).grad]
     assert double_grad_backends() == declared
-    assert all(f"'{n}'" in double_grad_hint() for n in declared)
+    assert double_grad_hint().endswith("or name one: " + ", ".join(map(repr, declared)))
+    assert "double_backward=True" in double_grad_hint()
     assert "'csr'" not in double_grad_hint()
+    assert double_grad_hint("tpu") == "no registered backend for tpu has a double backward"
     assert double_grad_backends("cuda") == [n for n in declared if "cuda" in _registry.get(n).dtypes]
     extra = dataclasses.replace(_registry.get("loop"), name="my_double")
     _registry.register(extra)
@@ -458,6 +460,36 @@ def test_the_double_backward_hint_is_derived_from_the_registry(monkeypatch):
         assert "'my_double'" in double_grad_hint("cpu")
     finally:
         _registry.unregister("my_double")
+
+
+def test_double_backward_keeps_auto_on_backends_with_a_double_backward(prof):
+    # A table in which csr (first-order backward only) is the fastest, in both modes.
+    times = dict(csr=1.0, loop=5.0, bmm=6.0)
+    prof(point(batch=4, groups=4, block_in=3, block_out=2, **times),
+         point(mode="train", batch=4, groups=4, block_in=3, block_out=2, **times),
+         settings={"sparsity_threshold": 0.0})
+    train, fwd = Problem(4, 4, 3, 2, requires_grad=True), Problem(4, 4, 3, 2)
+    assert choose(train).backend == "csr"
+    assert "double_backward" not in {k for k, _, _ in choose(train).settings}  # listed only where set
+    x = torch.randn(4, 12, requires_grad=True)
+    layer = blockdiag.GroupedLinear(12, 8, groups=4)
+    with pytest.raises(BlockDiagError, match="csr: the backward is first-order only"):
+        torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with blockdiag.config(double_backward=True):
+        plan = choose(train)
+        assert plan.backend == "loop" and _registry.get(plan.backend).double_grad
+        assert ("double_backward", True, "blockdiag.config()") in plan.settings
+        assert "csr" not in dispatch.candidates(train)
+        assert dispatch.exclusions(train)["csr"] == (
+            "its backward is first-order only (double_grad=False), and double_backward is set")
+        assert all(_registry.get(n).double_grad for n in dispatch.candidates(train))
+        assert choose(fwd).backend == "csr"  # a forward has no backward to differentiate
+        assert "csr" in dispatch.candidates(train, crossovers=False)  # tune still times it
+        (gx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        gx.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.autograd.grad(
+        torch.autograd.grad(reference_loop(x, layer.weight, layer.bias).square().sum(), x, create_graph=True)[0].sum(),
+        layer.weight)[0])
 
 
 def test_same_forward_as_must_name_a_registered_backend():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import types
@@ -40,6 +42,34 @@ def test_docs_extending_example_runs():
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "einsum" in r.stdout and "already registered" in r.stdout
+
+
+def _docs_block(page: str, marker: str) -> str:
+    """The ```python block of ``docs/<page>`` that contains ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(encoding="utf-8"), re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_the_docs_way_to_measure_a_registered_backend_saves_its_times(einsum_backend, tmp_path, monkeypatch):
+    # docs/extending.md, "How auto treats it": the block, on a one-point grid instead of
+    # the quick grid (whose minutes are the same code).
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(path))
+    block = _docs_block("extending.md", "tuning.tune(")
+    quick = 'tuning.tune(tuning.GRIDS["quick"])'
+    assert quick in block
+    block = block.replace(quick, 'tuning.tune(tuning.Grid((8,), (4,), ((4, 2),)), modes=("forward",), '
+                                 'rounds=1, min_time=0.0, rematch=False)')
+    for _ in range(2):  # the second run merges into the first one's entry
+        exec(compile(block, "docs/extending.md", "exec"), {})
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    assert len(entry["runs"]) == 2
+    (m,) = entry["measurements"]
+    assert "test_einsum" in m["times_us"] and "loop" in m["times_us"]
+    # auto now ranks the backend by its measured time, like the built-in ones.
+    (cand,) = [c for c in choose(Problem(8, 4, 4, 2)).candidates if c.name == "test_einsum"]
+    assert cand.ok and cand.measured and cand.estimate_us == m["times_us"]["test_einsum"]
 
 
 def test_a_registered_backend_runs_by_name_with_gradients(einsum_backend):
@@ -103,11 +133,21 @@ def test_backends_is_the_subpackage_and_the_old_call_warns():
     import blockdiag.backends as B
 
     assert isinstance(B, types.ModuleType) and B.Backend is Backend and blockdiag.backends is B
-    with pytest.warns(DeprecationWarning, match=r"blockdiag.backends\(\) is deprecated; use blockdiag.list_backends\(\)"):
+    deprecated = r"blockdiag.backends\(\) is deprecated; use blockdiag.list_backends\(\)"
+    with pytest.warns(DeprecationWarning, match=deprecated) as rec:
         old = blockdiag.backends()
     assert old == blockdiag.list_backends()
+    assert rec[0].filename == __file__  # the warning points at the call, not at blockdiag
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         blockdiag.list_backends()
     assert "list_backends" in blockdiag.__all__ and "register_backend" in blockdiag.__all__
     assert "backends" not in blockdiag.__all__
+
+
+def test_a_fresh_import_of_the_subpackage_gives_the_subpackage():
+    # Before anything else imported blockdiag: the import statement the name clash broke.
+    code = ("import blockdiag.backends as B, types; assert isinstance(B, types.ModuleType), B; "
+            "assert B.names()[0] == 'loop'; from blockdiag.backends import Backend; print(B.__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "blockdiag.backends", r.stdout + r.stderr

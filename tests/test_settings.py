@@ -14,7 +14,7 @@ from blockdiag import settings as st
 @pytest.fixture(autouse=True)
 def _reset_globals():
     yield
-    blockdiag.set_config(sparsity_threshold=None, dense_max_groups=None, dense_max_elements=None)
+    blockdiag.set_config(sparsity_threshold=None, dense_max_groups=None, dense_max_elements=None, double_backward=None)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +117,7 @@ def test_epoch_sees_each_variable_and_matches_the_plain_reading(monkeypatch, var
         pytest.param("dense_max_groups", 2.7, "an int", id="fractional-groups"),
         pytest.param("dense_max_elements", False, "an int", id="bool-elements"),
         pytest.param("profile", 5, r"a path \(str or os.PathLike\)", id="int-profile"),
+        pytest.param("double_backward", 1, "True or False", id="int-double-backward"),
     ],
 )
 def test_values_are_not_coerced(name, value, kind):
@@ -134,3 +135,26 @@ def test_exact_values_and_paths_are_accepted(tmp_path):
         assert (s.dense_max_groups, s.profile, s.sparsity_threshold) == (4, str(tmp_path / "p.json"), 1.0)
     finally:
         blockdiag.set_config(dense_max_groups=None, profile=None, sparsity_threshold=None)
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+                                        ("0", False), ("false", False), ("No", False), ("off", False)])
+def test_double_backward_reads_the_usual_words_from_the_environment(monkeypatch, raw, value):
+    monkeypatch.setenv("BLOCKDIAG_DOUBLE_BACKWARD", raw)
+    assert blockdiag.get_settings().double_backward is value
+    assert st.resolve("double_backward") == (value, "$BLOCKDIAG_DOUBLE_BACKWARD")
+
+
+def test_double_backward_refuses_other_words_and_follows_the_precedence(monkeypatch):
+    assert blockdiag.get_settings().double_backward is False  # the default
+    monkeypatch.setenv("BLOCKDIAG_DOUBLE_BACKWARD", "maybe")
+    with pytest.raises(BlockDiagError, match=r"environment variable BLOCKDIAG_DOUBLE_BACKWARD: double_backward "
+                                             r"must be True or False \(or 1/0, true/false, yes/no, on/off\), got 'maybe'"):
+        blockdiag.get_settings()
+    monkeypatch.setenv("BLOCKDIAG_DOUBLE_BACKWARD", "1")
+    blockdiag.set_config(double_backward=False)
+    assert blockdiag.get_settings().double_backward is False  # set_config over the environment
+    with blockdiag.config(double_backward=True):
+        assert st.resolve("double_backward") == (True, "blockdiag.config()")
+    blockdiag.set_config(double_backward=None)
+    assert blockdiag.get_settings().double_backward is True

@@ -12,18 +12,27 @@ compiled before timing (``dynamic=False``, dynamo reset first), so compile time 
 ``track_compiled_over_eager``, compiled blockdiag over eager blockdiag (<= 1.02 on geometric
 mean), and ``track_compiled_over_best_peer``, compiled blockdiag over the fastest compiled
 peer (<= 0.8 on geometric mean, under 1 at every shape), each measured in one process with
-interleaved rounds (minimum per method).
+interleaved rounds (``common.interleaved``, the ratio of the minima).
 """
 
 import copy
-import timeit
 
 import torch
 from torch import nn
 
 import blockdiag
 
-from .common import DEVICES, grid, parse_block, require_device, sync, try_run
+from .common import (
+    DEVICES,
+    asv_sampling,
+    grid,
+    interleaved,
+    parse_block,
+    ratio_of_minima,
+    require_device,
+    sync,
+    try_run,
+)
 
 # (groups, batch, block): the forum shape, a square-block shape, few large groups. The loop of
 # 256 heads is left out: compiling it takes minutes on a small machine.
@@ -113,13 +122,12 @@ def _steps(model, shape, device, methods):
     return steps
 
 
+@asv_sampling
 class CompiledStep:
     """One training step of each method: eager blockdiag, and the compiled models."""
 
     params = (MODELS, STEP_METHODS, DEVICES, SHAPES)
     param_names = ["model", "method", "device", "shape (groups/batch/in x out)"]
-    repeat = (1, 5, 2.0)
-    warmup_time = 0.05
     timeout = 600  # setup compiles
 
     def setup(self, model, method, device, shape):
@@ -132,19 +140,6 @@ class CompiledStep:
         sync(self.device)
 
 
-def _time(step, device, target_s) -> float:
-    def run():
-        step()
-        sync(device)
-
-    number = 1
-    while True:
-        t = timeit.timeit(run, number=number)
-        if t >= target_s:
-            return t / number
-        number *= 2
-
-
 class CompiledRatio:
     """Compiled blockdiag over eager blockdiag, and over the fastest compiled peer, in one process.
 
@@ -154,9 +149,7 @@ class CompiledRatio:
 
     params = (MODELS, DEVICES, SHAPES)
     param_names = ["model", "device", "shape (groups/batch/in x out)"]
-    unit = "compiled blockdiag time / other time"
-    rounds = 10
-    target_s = 0.02
+    unit = "ratio"
     timeout = 1800
 
     def setup_cache(self):
@@ -169,17 +162,13 @@ class CompiledRatio:
                     except NotImplementedError:
                         continue
                     except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
-                        out[(model, device, shape)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        first = str(e).splitlines()[0] if str(e) else ""
+                        out[(model, device, shape)] = f"{type(e).__name__}: {first}"
                         continue
-                    times = {m: [] for m in steps}
-                    # Interleaved rounds, the minimum of each (noise on a shared machine only adds time).
-                    for _ in range(self.rounds):
-                        for m, step in steps.items():
-                            times[m].append(_time(step, device, self.target_s))
-                    best = {m: min(ts) for m, ts in times.items()}
+                    samples = interleaved(steps, device)
                     out[(model, device, shape)] = {
-                        "eager": best["blockdiag_compiled"] / best["blockdiag"],
-                        "peer": best["blockdiag_compiled"] / min(best[m] for m in PEERS),
+                        "eager": ratio_of_minima(samples, "blockdiag_compiled", "blockdiag"),
+                        "peer": ratio_of_minima(samples, "blockdiag_compiled", PEERS),
                     }
                     del steps
         torch._dynamo.reset()

@@ -4,7 +4,7 @@ import torch
 
 import blockdiag
 
-from .common import grid, parse_block
+from .common import asv_sampling, grid, parse_block
 
 BUILDERS = {
     "dense": blockdiag.block_diag_dense,
@@ -14,6 +14,7 @@ BUILDERS = {
 }
 
 
+@asv_sampling
 class Build:
     """``block_diag_<layout>(blocks)`` for blocks ``[groups, out, in]``."""
 
@@ -32,6 +33,7 @@ class Build:
         self.build(self.blocks)
 
 
+@asv_sampling
 class ToBlocks:
     """``to_blocks(matrix, groups)`` from each layout back to ``[groups, out, in]``."""
 

@@ -1,9 +1,7 @@
-"""``GroupedLinear`` with ``backend="auto"`` against every fixed backend, and auto's quality.
+"""``GroupedLinear`` with ``backend="auto"`` and every fixed backend, timed; what ``auto`` costs.
 
-``track_auto_ratio_to_best`` is the number to watch in the history: the time of ``auto``
-divided by the time of the fastest fixed backend on the same shape, measured in one process
-with interleaved rounds (minimum per backend). 1.0 means the chooser picked the winner; a rise means dispatch
-quality regressed (a worse table, a wrong crossover, or new overhead in planning).
+These are times. auto's quality (its time over the fastest fixed backend's, measured in one
+process) is ``ratios.GroupedLinearRatios.track_auto_over_fastest``.
 """
 
 import timeit
@@ -12,7 +10,17 @@ import torch
 
 import blockdiag
 
-from .common import BACKENDS, DEVICES, grid, parse_block, require_backend, require_device, sync, try_run
+from .common import (
+    BACKENDS,
+    DEVICES,
+    asv_sampling,
+    grid,
+    parse_block,
+    require_backend,
+    require_device,
+    sync,
+    try_run,
+)
 
 # (groups, batch, block): the forum shape, a square-block shape, few large groups, many tiny ones.
 SHAPES = grid(["50/256/150x10", "16/256/64x64", "4/1024/256x256", "256/64/10x10"], ["3/4/6x4"])
@@ -39,13 +47,12 @@ def _make(shape, device, mode, backend):
     return step
 
 
+@asv_sampling
 class Layer:
     """One call of a ``GroupedLinear`` layer, ``auto`` or a fixed backend."""
 
     params = (["auto"] + BACKENDS, DEVICES, SHAPES, MODES)
     param_names = ["backend", "device", "shape (groups/batch/in x out)", "mode"]
-    repeat = (1, 5, 2.0)
-    warmup_time = 0.05
 
     def setup(self, backend, device, shape, mode):
         require_device(device)
@@ -59,56 +66,6 @@ class Layer:
     def time_call(self, *_):
         self.step()
         sync(self.device)
-
-
-class AutoQuality:
-    """auto's time over the fastest fixed backend's, on the same shape, in one process."""
-
-    params = (DEVICES, SHAPES, MODES)
-    param_names = ["device", "shape (groups/batch/in x out)", "mode"]
-    unit = "auto time / best time"
-    # Many short interleaved samples: on a shared machine a quiet window is then likely to
-    # fall inside every backend's samples, and the minimum finds it.
-    rounds = 10
-    target_s = 0.02
-
-    def setup(self, device, shape, mode):
-        require_device(device)
-        self.device = device
-        self.steps = {}
-        for name in ["auto"] + BACKENDS:
-            try:
-                if name != "auto":
-                    require_backend(name)
-                step = _make(shape, device, mode, name)
-                try_run(step)
-            except NotImplementedError:
-                continue
-            self.steps[name] = step
-        sync(device)
-
-    def _time(self, step) -> float:
-        def run():
-            step()
-            sync(self.device)
-
-        number = 1
-        while True:
-            t = timeit.timeit(run, number=number)
-            if t >= self.target_s:
-                return t / number
-            number *= 2
-
-    def track_auto_ratio_to_best(self, *_):
-        times = {name: [] for name in self.steps}
-        # Interleaved rounds so that machine noise hits every backend alike; the minimum over
-        # rounds is the least-disturbed measurement (noise on a shared machine only adds time).
-        for _ in range(self.rounds):
-            for name, step in self.steps.items():
-                times[name].append(self._time(step))
-        fastest = {name: min(ts) for name, ts in times.items()}
-        best = min(v for k, v in fastest.items() if k != "auto")
-        return fastest["auto"] / best
 
 
 class Dispatch:

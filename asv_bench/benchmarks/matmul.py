@@ -1,7 +1,9 @@
 """Every backend's grouped product ``x [batch, G*in] -> [batch, G*out]``, forward and training.
 
-The grid is small on purpose (the whole suite runs ``asv run --quick`` in minutes on 2 cores)
-but spans the regimes of the landscape study: few vs many groups, small vs large batch, the
+These are times, so they move with the machine's load: compare them between commits
+measured on a quiet machine (``asv continuous``), and read ``ratios.BackendRatios`` (each
+backend over the ideal GEMM of the same rounds) where the machine is shared. The grid is small
+on purpose but spans the regimes of the landscape study: few vs many groups, small vs large batch, the
 forum's thin ``150x10`` blocks vs square ``64x64`` ones.
 """
 
@@ -9,20 +11,28 @@ import torch
 
 import blockdiag
 
-from .common import BACKENDS, DEVICES, grid, parse_block, require_backend, require_device, sync, try_run
+from .common import (
+    BACKENDS,
+    DEVICES,
+    asv_sampling,
+    grid,
+    parse_block,
+    require_backend,
+    require_device,
+    sync,
+    try_run,
+)
 
 GROUPS = grid([4, 64], [2])
 BATCH = grid([32, 1024], [8])
 BLOCKS = grid(["150x10", "64x64"], ["6x4"])
 
 
+@asv_sampling
 class _Product:
     params = (BACKENDS, DEVICES, GROUPS, BATCH, BLOCKS)
     param_names = ["backend", "device", "groups", "batch", "block"]
     grad = False
-    # Bounded sampling so that a history run over several commits stays short on 2 cores.
-    repeat = (1, 5, 2.0)
-    warmup_time = 0.05
 
     def setup(self, backend, device, groups, batch, block):
         require_device(device)

@@ -101,7 +101,8 @@ class Backend:
         double_grad: whether its backward is itself differentiable (``create_graph=True``,
             gradient penalties, Hessian-vector products). A first-order backend refuses such
             a backward with :class:`BlockDiagError` instead of silently treating the
-            gradient as a constant.
+            gradient as a constant; under the ``double_backward`` setting ``auto`` does not
+            choose it for training.
         probe: extra installation check beyond ``requires`` (a torch feature, a GPU
             generation): returns why the backend cannot run here at all, or None.
         same_forward_as: another backend whose forward this one runs unchanged (only the
@@ -156,7 +157,7 @@ class Backend:
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """What :func:`blockdiag.backends` reports for one backend."""
+    """What :func:`blockdiag.list_backends` reports for one backend: name, availability, why not, summary."""
 
     name: str
     available: bool
@@ -313,39 +314,30 @@ def registry() -> Mapping[str, Backend]:
     return types.MappingProxyType(_REGISTRY)
 
 
-def first_order_only(backward: Callable) -> Callable:
-    """Wrap an ``autograd.Function.backward`` that is not itself differentiable.
-
-    Put it above ``@once_differentiable``: under ``create_graph=True`` grad mode is on
-    when the backward runs, and the result would silently be treated as a constant (a
-    gradient penalty through it would be zero), so refuse instead.
-    """
-    import functools
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():
-            device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), None)
-            raise BlockDiagError(
-                f"{getattr(ctx, 'backend_name', 'this backend')}: the backward is first-order only and "
-                "cannot be differentiated again (create_graph=True); "
-                f"{double_grad_hint(device)}"
-            )
-        return backward(ctx, *grads)
-
-    return wrapper
-
-
 def double_grad_backends(device: Optional[str] = None) -> list[str]:
     """The registered backends whose backward is itself differentiable (``double_grad``).
 
     Read from each :class:`Backend`'s declaration, so a backend registered later is
     listed too. ``device`` (a device type) keeps those that run on it.
 
-    The chooser does not read ``double_grad``: whether a backward will be differentiated
-    again (``create_graph=True``) is not known when the forward is planned, so
-    :class:`Problem` carries no such flag; a first-order backend refuses the second
-    backward instead (:func:`first_order_only`), and the message lists these backends.
+    >>> "loop" in double_grad_backends("cpu") and "csr" not in double_grad_backends("cpu")
+    True
+
+    Whether a backward will be differentiated again (``create_graph=True``) is not known
+    when the forward is planned, so :class:`Problem` carries no such flag. Two places read
+    the declaration instead: the ``double_backward`` setting
+    (``blockdiag.config(double_backward=True)``) keeps ``auto`` on these backends for
+    training, and a backend declaring ``double_grad=False`` refuses a second backward with
+    :class:`BlockDiagError` rather than return a gradient that silently treats the first
+    one as a constant. (``auto`` inside a traced graph, the ``blockdiag::auto`` operator,
+    needs neither: a backward that must itself be differentiable runs the generic formulas
+    in differentiable torch operations whatever backend ran the forward.)
+
+    Args:
+        device: a device type such as ``"cpu"``; None lists them for every device.
+
+    Returns:
+        their names, in registration order.
     """
     return [
         b.name for b in _REGISTRY.values()
@@ -354,9 +346,20 @@ def double_grad_backends(device: Optional[str] = None) -> list[str]:
 
 
 def double_grad_hint(device: Optional[str] = None) -> str:
-    """``"use backend 'a', 'b' or 'c' for double backward"``, from :func:`double_grad_backends`."""
+    """What to do for a double backward: the setting for ``auto``, or a backend that has one.
+
+    >>> print(double_grad_hint("cpu").split(", or ")[0])
+    set blockdiag.config(double_backward=True) to keep backend 'auto' on backends with a double backward
+
+    Args:
+        device: a device type; None names the backends of every device.
+
+    Returns:
+        one sentence, listing :func:`double_grad_backends` (``device``) in registration order.
+    """
     ok = double_grad_backends(device)
+    advice = ("set blockdiag.config(double_backward=True) to keep backend 'auto' on backends with a "
+              "double backward")
     if not ok:
-        return "no registered backend supports double backward"
-    listed = ", ".join(map(repr, ok[:-1])) + (f" or {ok[-1]!r}" if len(ok) > 1 else repr(ok[0]))
-    return f"use backend {listed} for double backward"
+        return f"no registered backend{'' if device is None else ' for ' + device} has a double backward"
+    return f"{advice}, or name one: {', '.join(map(repr, ok))}"

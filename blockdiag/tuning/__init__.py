@@ -10,14 +10,18 @@ than the best after two rounds (comparing each one's faster sample, so that one 
 does not count) is not run again at that point (its samples are kept): the slow layouts
 would otherwise dominate the run time.
 
-One module per job: :mod:`~blockdiag.tuning._timer` (grids, inputs, interleaved sampling:
-:func:`measure`), :mod:`~blockdiag.tuning.tune` (:func:`tune`, :func:`rematch`,
-:func:`derive_settings`), :mod:`~blockdiag.tuning.memory` (:func:`peak_memory`),
-:mod:`~blockdiag.tuning.bench` (:func:`bench`, :func:`bench_compiled` and their summaries),
-:mod:`~blockdiag.tuning.plot` (:func:`plot_decision_map`) and
-:mod:`~blockdiag.tuning.cross_check`. Which backends are timed is the chooser's own filter
+One module per job, all reached through this package: ``_timer`` (grids, inputs, the
+interleaved sampling of :func:`measure`), ``_tune`` (:func:`tune`, :func:`rematch`,
+:func:`derive_settings`), ``_memory`` (:func:`peak_memory`), ``_bench`` (:func:`bench`,
+:func:`bench_compiled` and their summaries), ``plot`` (:func:`plot_decision_map`) and
+``_cross_check`` (:func:`cross_check`). The names a module and a function would share are
+taken by the functions: a package attribute is one or the other, and with a module
+``bench.py`` beside the function ``bench``, ``import blockdiag.tuning.bench as B`` would give
+the function (the clash ``blockdiag.backends`` once had), so the modules are private
+(``plot`` names no function). Which backends are timed is the chooser's own filter
 (:func:`blockdiag.dispatch.candidates`, without the settings' crossovers, which are derived
-from these times); merging a new tune into a saved entry is :func:`blockdiag.profile.merge_entry`.
+from these times); merging a new tune into a saved entry is
+:func:`blockdiag.profile.merge_entry`.
 
 >>> from blockdiag.tuning import Grid, tune
 >>> entry = tune(Grid((8,), (2,), ((4, 4),)), modes=("forward",), rounds=1, min_time=0.0)
@@ -53,7 +57,7 @@ from ._timer import (
     allocator_env,
     measure,
 )
-from .bench import (
+from ._bench import (
     COMPILED_MODELS,
     COMPILED_PEERS,
     COMPILED_TARGETS,
@@ -64,10 +68,10 @@ from .bench import (
     summarize,
     summarize_compiled,
 )
-from .cross_check import cross_check
-from .memory import peak_memory
+from ._cross_check import cross_check
+from ._memory import peak_memory
 from .plot import plot_decision_map
-from .tune import (
+from ._tune import (
     REMATCH_ROUNDS_FACTOR,
     _rematch_all,
     _row_problem,

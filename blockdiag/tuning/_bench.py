@@ -33,7 +33,7 @@ from ._timer import (
     _step,
     _vmap_step,
 )
-from .memory import peak_memory
+from ._memory import peak_memory
 
 
 def bench(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._timer import _geomean
-from .tune import _row_problem
+from ._tune import _row_problem
 
 
 def cross_check(entry: dict) -> dict:

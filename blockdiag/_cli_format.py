@@ -1,0 +1,178 @@
+"""How the ``blockdiag`` command lays out its help, its tables, its summaries and its estimates."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import textwrap
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions wrapped to the terminal, examples (indented lines) kept as written, and
+    every option's default shown unless its help already gives it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            if para.startswith(" ") or "\n " in para:  # an example block: as written
+                out.append("\n".join(indent + line for line in para.splitlines()))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if "default" in h or flag or action.default is None or action.default is argparse.SUPPRESS:
+            return h
+        d = action.default
+        if isinstance(d, torch.dtype):
+            d = str(d).replace("torch.", "")
+        elif isinstance(d, (list, tuple)):
+            d = ",".join(map(str, d))
+        return f"{h} (default {d})"
+
+
+# --- durations ------------------------------------------------------------------------------
+
+def duration(seconds: float) -> str:
+    """``"under 1 s"``, ``"40 s"``, ``"12 min"`` or ``"2.5 h"``."""
+    if seconds < 1:
+        return "under 1 s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# A step's samples: the rounds, and about two more for its warm-up and calibration.
+_CALIBRATION_SAMPLES = 2
+# A call shorter than --min-time is repeated 1, 4, 16, ... times until a batch lasts
+# --min-time: a sample then lasts 1-4x --min-time, about 2.2x on (geometric) average.
+_SHORT_SAMPLE = 2.2
+# Below this a sample still costs the call's own time and the timer's overhead.
+_MIN_SAMPLE_S = 1e-3
+# The assumed throughput of a call longer than --min-time, averaged over the backends (the
+# slow ones pull it far below the machine's peak). With it the model puts the project's
+# 2-core CPU's ``tune --full --mode both --max-gflop 20`` (634 s) at 620 s, and a tune of
+# 8 small points (about 16 s there) at 13 s.
+CPU_FLOPS_PER_THREAD = 24e9
+ACCELERATOR_FLOPS = 10e12
+
+
+def throughput(device: str) -> tuple[float, str]:
+    """The FLOP rate the estimate assumes on ``device``, and how it says so."""
+    if device == "cpu":
+        threads = torch.get_num_threads()
+        return CPU_FLOPS_PER_THREAD * threads, f"{CPU_FLOPS_PER_THREAD / 1e9:g} GFLOP/s x {threads} threads"
+    return ACCELERATOR_FLOPS, f"{ACCELERATOR_FLOPS / 1e12:g} TFLOP/s"
+
+
+def estimate_seconds(point_flops: Sequence[float], steps: int, rounds: int, min_time: float, device: str) -> float:
+    """The model of :func:`estimate_line`, in seconds."""
+    rate, _ = throughput(device)
+    per = max(min_time, _MIN_SAMPLE_S)
+    sample = sum(f / rate if f / rate >= per else _SHORT_SAMPLE * per for f in point_flops)
+    return sample * steps * (rounds + _CALIBRATION_SAMPLES)
+
+
+def estimate_line(point_flops: Sequence[float], steps: int, what: str, rounds: int, min_time: float,
+                  device: str, extra: str) -> str:
+    """``estimated duration: about ...`` and its basis: ``points x steps x (rounds + 2)``
+    samples, each one call at :func:`throughput` or, for shorter calls, about 2x ``min_time``."""
+    _, basis = throughput(device)
+    seconds = estimate_seconds(point_flops, steps, rounds, min_time, device)
+    samples = len(point_flops) * steps * (rounds + _CALIBRATION_SAMPLES)
+    per = max(min_time, _MIN_SAMPLE_S)
+    points = f"{len(point_flops)} point{'' if len(point_flops) == 1 else 's'}"
+    rounds_ = f"{rounds} round{'' if rounds == 1 else 's'}"
+    return (f"estimated duration: {'' if seconds < 1 else 'about '}{duration(seconds)} ({samples} samples: {points} x "
+            f"{steps} {what} x ({rounds_} + {_CALIBRATION_SAMPLES} to calibrate); each one call at "
+            f"{basis}, or about {_SHORT_SAMPLE:g} x {per:g} s for shorter calls; {extra})")
+
+
+# --- tables: one unit per column -------------------------------------------------------------
+
+def unit(values_us: Iterable[float | None]) -> str:
+    """The unit of a column of times in microseconds: ``ms`` once its largest reaches 10 ms."""
+    vals = [v for v in values_us if v is not None]
+    return "ms" if vals and max(vals) >= 10000 else "us"
+
+
+def in_unit(v: float | None, unit_: str) -> str:
+    """``v`` (microseconds) in ``unit_``, without the unit (it is in the column's heading)."""
+    if v is None:
+        return "-"
+    if unit_ == "ms":  # three significant digits down to 0.0xx ms
+        return f"{v / 1000:.2f}" if v >= 1000 else f"{v / 1000:.3f}"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def ratio(v: float | None, width: int = 7) -> str:
+    return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}s}"
+
+
+# --- summaries: a few labelled lines ---------------------------------------------------------
+
+# bench's summary (tuning.summarize): the JSON keys, labelled for people, in this order.
+BENCH_SUMMARY = (
+    ("points", "points", "{}"),
+    ("geomean_auto_over_fastest", "auto over the fastest backend, geometric mean", "{:.3f}"),
+    ("max_auto_over_fastest", "auto over the fastest backend, worst", "{:.3f}"),
+    ("worst_point", "  at", "{}"),
+    ("within_1.10", "points where auto is within 1.10 of the fastest", "{}"),
+    ("geomean_choice_over_fastest", "auto's choice forced over the fastest, geometric mean", "{:.3f}"),
+    ("choice_within_1.10", "points where auto's choice is within 1.10 of the fastest", "{}"),
+    ("geomean_auto_over_kernel", "auto over its choice forced (dispatch cost), geometric mean", "{:.3f}"),
+    ("median_dispatch_overhead_us", "dispatch cost, median", "{:.1f} us"),
+    ("geomean_builtin_choice_over_fastest", "the built-in table's choice over the fastest, geometric mean",
+     "{:.3f}"),
+    ("builtin_choice_within_1.10", "points where the built-in choice is within 1.10 of the fastest", "{}"),
+    ("geomean_choice_over_builtin_choice", "the profile's choice over the built-in one, geometric mean",
+     "{:.3f}"),
+    ("choices_differing_from_builtin", "points where the profile and the built-in table differ", "{}"),
+    ("geomean_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, geometric mean", "{:.2f}x"),
+    ("min_speedup_vs_nn_linear_loop", "speed-up over the nn.Linear loop, smallest", "{:.2f}x"),
+    ("geomean_speedup_vs_vmap", "speed-up over vmap ensembling, geometric mean", "{:.2f}x"),
+    ("min_speedup_vs_vmap", "speed-up over vmap ensembling, smallest", "{:.2f}x"),
+    ("median_fraction_of_ideal", "fraction of the ideal GEMM, median", "{:.0%}"),
+)
+
+# bench --compiled's summary (tuning.summarize_compiled), per model.
+COMPILED_SUMMARY = (
+    ("points", "points", "{}"),
+    ("failed_points", "points where a compiled method failed or differed from eager", "{}"),
+    ("geomean_compiled_over_eager", "compiled over eager, geometric mean", "{:.3f}"),
+    ("max_compiled_over_eager", "compiled over eager, worst", "{:.3f}"),
+    ("worst_point_compiled_over_eager", "  at", "{}"),
+    ("geomean_compiled_over_best_peer", "compiled over the fastest compiled peer, geometric mean", "{:.3f}"),
+    ("geomean_speedup_over_best_peer", "speed-up over the fastest compiled peer, geometric mean", "{:.2f}x"),
+    ("max_compiled_over_best_peer", "compiled over the fastest compiled peer, worst", "{:.3f}"),
+    ("worst_point_compiled_over_best_peer", "  at", "{}"),
+    ("slower_than_best_peer", "points slower than the fastest compiled peer", "{}"),
+)
+
+
+def _value(fmt: str, v) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    try:
+        return fmt.format(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def summary_lines(title: str, s: dict, labels: Sequence[tuple[str, str, str]] = BENCH_SUMMARY,
+                  skip: Sequence[str] = ()) -> str:
+    """``title:`` then one aligned ``label  value`` line per figure of ``s`` (unlabelled keys
+    last, under their own names, so that nothing the JSON has is hidden)."""
+    known = {k for k, _, _ in labels}
+    rows = [(label, _value(fmt, s[k])) for k, label, fmt in labels if s.get(k) is not None]
+    rows += [(k.replace("_", " "), str(v)) for k, v in s.items() if k not in known and k not in skip]
+    width = max((len(label) for label, _ in rows), default=0)
+    return "\n".join([f"{title}:", *(f"  {label:{width}s}  {v}" for label, v in rows)])
