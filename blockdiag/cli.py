@@ -35,35 +35,28 @@ def _parse_hidden(s: str) -> list[int]:
     return out
 
 
-def _positive(s: str) -> int:
+def _scalar(s: str, convert, ok, want: str):
+    """``convert(s)`` if it parses and ``ok`` accepts it, else argparse's error naming ``want``."""
     try:
-        v = int(s)
+        v = convert(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {s}")
+        raise argparse.ArgumentTypeError(f"must be {want}, got {s!r}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {s}")
     return v
+
+
+def _positive(s: str) -> int:
+    return _scalar(s, int, lambda v: v >= 1, "a positive int")
 
 
 def _seed(s: str) -> int:
     # torch.manual_seed takes a 64-bit value; anything else is an error here, not in torch.
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**64), got {s!r}") from None
-    if not 0 <= v < 2**64:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**64), got {s}")
-    return v
+    return _scalar(s, int, lambda v: 0 <= v < 2**64, "an int in [0, 2**64)")
 
 
 def _learning_rate(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s}")
-    return v
+    return _scalar(s, float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 
 
 class LoopOfHeads(nn.Module):
@@ -197,33 +190,31 @@ def _dtype(s: str) -> torch.dtype:
     return getattr(torch, s.replace("torch.", ""))
 
 
-def _device(s: str) -> str:
-    """A device type this machine has (``cpu``, ``cuda``, ...): checked before anything runs."""
+def _known_device(s: str, meta_why: str) -> str:
+    """The device type of ``s`` if torch knows it, is not ``meta`` and some backend runs on it."""
     try:
         kind = torch.device(s).type
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"unknown device {s!r} (e.g. cpu, cuda)") from None
     if kind == "meta":
-        raise argparse.ArgumentTypeError("'meta' tensors hold no data: there is nothing to time (use cpu or cuda)")
+        raise argparse.ArgumentTypeError(f"'meta' tensors hold no data: {meta_why} (use cpu or cuda)")
+    _check_some_backend_runs_on(s, kind)
+    return kind
+
+
+def _device(s: str) -> str:
+    """A device type this machine has (``cpu``, ``cuda``, ...): checked before anything runs."""
+    kind = _known_device(s, "there is nothing to time")
     if kind != "cpu":
-        mod = getattr(torch, kind, None)
-        available = getattr(mod, "is_available", None)
+        available = getattr(getattr(torch, kind, None), "is_available", None)
         if available is None or not available():
             raise argparse.ArgumentTypeError(f"{s!r}: this machine has no {kind} device")
-    _check_some_backend_runs_on(s, kind)
     return kind
 
 
 def _device_type(s: str) -> str:
     """A device type torch knows, for ``explain`` (which plans and runs nothing: none is needed)."""
-    try:
-        kind = torch.device(s).type
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown device {s!r} (e.g. cpu, cuda)") from None
-    if kind == "meta":
-        raise argparse.ArgumentTypeError("'meta' tensors hold no data: no backend runs on them (use cpu or cuda)")
-    _check_some_backend_runs_on(s, kind)
-    return kind
+    return _known_device(s, "no backend runs on them")
 
 
 def _check_some_backend_runs_on(s: str, kind: str) -> None:
@@ -235,23 +226,11 @@ def _check_some_backend_runs_on(s: str, kind: str) -> None:
 
 
 def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}") from None
-    if math.isnan(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
-    return v
+    return _scalar(s, float, lambda v: v >= 0, "a number >= 0")  # NaN fails v >= 0
 
 
 def _finite_nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
-    return v
+    return _scalar(s, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 
 def _backend_list(s: str) -> list[str]:

@@ -55,3 +55,24 @@ def require_backend(name, device="cpu"):
     why = b.unavailable_reason()
     if why:
         pytest.skip(f"backend {name!r} unavailable here: {why}")
+
+
+def run_or_fail_on_hang(argv, timeout: float, what: str, env=None):
+    """Run ``argv`` in its own session; ``(returncode, stdout, stderr)``, or fail the test on a hang.
+
+    A hang kills the whole process group (children too), so a regression fails the test
+    instead of stalling the run.
+    """
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{what} hung (>{timeout} s)")
+    return proc.returncode, out, err

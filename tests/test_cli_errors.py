@@ -7,12 +7,11 @@ the value named. Cases that used to crash or allocate run in a subprocess with a
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+from _params import run_or_fail_on_hang
 
 from blockdiag.cli import main
 
@@ -20,15 +19,7 @@ TINY = ["--batch", "2", "--groups", "2", "--blocks", "2x2", "--repeat", "1", "--
 
 
 def _run(args: list[str], timeout: float = 120) -> tuple[int, str, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "blockdiag", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"blockdiag {' '.join(args)} hung (>{timeout} s)")
-    return proc.returncode, out, err
+    return run_or_fail_on_hang([sys.executable, "-m", "blockdiag", *args], timeout, f"blockdiag {' '.join(args)}")
 
 
 def _refused(args: list[str], *expected: str, capsys=None) -> None:

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -36,10 +35,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _params import run_or_fail_on_hang
+from _strided import B_KINDS, GY_KINDS, check_against_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _strided import B_KINDS, GY_KINDS, check_against_reference
 from blockdiag import BlockDiagError, grouped_linear
 from blockdiag.backends import get, mkl_batch, simd
 from blockdiag.testing import reference_loop, tolerances
@@ -60,15 +60,8 @@ native = pytest.mark.parametrize(
 
 def _python(code: str, env: dict | None = None, timeout: float = 180) -> tuple[int, str, str]:
     """Run ``code`` in a fresh interpreter; a hang fails the test (the process group is killed)."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the subprocess hung (>{timeout} s)")
-    return proc.returncode, out, err
+    return run_or_fail_on_hang([sys.executable, "-c", code], timeout, "the subprocess",
+                               env={**os.environ, **(env or {})})
 
 
 def _stub_source(symbols: bool = True, abi: int | None = None, marker: Path | None = None) -> str:

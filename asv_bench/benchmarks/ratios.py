@@ -45,6 +45,7 @@ from .common import (
     sync,
     try_run,
 )
+from .mlp import HEADS, IN, OUT, _heads
 
 # (groups/batch/block): the forum shape, a square-block shape, few large groups, many tiny ones.
 SHAPES = grid(["50/256/150x10", "16/256/64x64", "4/1024/256x256", "256/64/10x10"], ["3/4/6x4"])
@@ -173,21 +174,7 @@ class BackendRatios:
         return ratio_of_minima(self.samples, self.backend, "ideal")
 
 
-HEADS, IN, HIDDEN, OUT = grid((50, 150, (10, 10), 1), (3, 6, (4,), 1))
-
-
-def _forum_heads(device):
-    sizes = [IN, *HIDDEN, OUT]
-
-    def head():
-        mods = []
-        for k in range(len(sizes) - 1):
-            mods.append(nn.Linear(sizes[k], sizes[k + 1]))
-            if k < len(sizes) - 2:
-                mods.append(nn.ReLU())
-        return nn.Sequential(*mods)
-
-    return nn.ModuleList(head() for _ in range(HEADS)).to(device)
+# The forum model of mlp.py: the same heads, so the ratio and the times describe one model.
 
 
 class ForumMLPRatio:
@@ -206,7 +193,7 @@ class ForumMLPRatio:
     def setup(self, device, batch, mode):
         require_device(device)
         torch.manual_seed(0)
-        heads = _forum_heads(device)
+        heads = _heads(device)
         models = {"loop": heads, "grouped": blockdiag.GroupedMLP.from_heads(copy.deepcopy(heads))}
         x = torch.randn(batch, IN, device=device)
         y = torch.randn(batch, HEADS * OUT, device=device)
