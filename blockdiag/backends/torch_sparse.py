@@ -26,11 +26,14 @@ def _spmm(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         # torch-sparse's SpMM divides by the column count (CPU) or launches an empty grid (CUDA).
         return dense.new_zeros(lay.shape[0], 0)
     rowptr, col = lay.csr_indices(w.device)
+    # torch-sparse's kernels read raw storage and ignore the negative bit of a lazily negated
+    # view (`torch._neg_view`, `z.conj().imag`): materialise it, or the signs come out wrong.
+    dense = dense.resolve_neg()
     # The cached indices are sorted and valid by construction, so skip torch-sparse's checks.
     st = SparseTensor(
         rowptr=rowptr,
         col=col,
-        value=w.reshape(-1),
+        value=w.reshape(-1).resolve_neg(),
         sparse_sizes=lay.shape,
         is_sorted=True,
         trust_data=True,
