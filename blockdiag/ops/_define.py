@@ -296,21 +296,15 @@ def _differentiable_backward(name: str, ctx, gy):
     # Only a true double backward needs the declaration: torch.func and batched gradients
     # differentiate the first-order formula once, which every backend's values support.
     if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active() and not get(name).double_grad:
+        from ..backends._registry import double_grad_hint
+
         raise BlockDiagError(
             f"{name}: the backward is first-order only and cannot be differentiated again "
-            f"(create_graph=True); use one of the backends that declare double_grad: "
-            + ", ".join(n for n in _ENTRIES if _double_grad(n))
+            f"(create_graph=True); {double_grad_hint(gy.device.type)}"
         )
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
-
-
-def _double_grad(name: str) -> bool:
-    from ..backends import registry
-
-    b = registry().get(name)
-    return b is not None and b.double_grad
 
 
 def _jvp(entry_call, ctx, tx, tw, tb):
