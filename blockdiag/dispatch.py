@@ -431,12 +431,14 @@ def settings_exclusion(b: Backend, p: Problem, s: Optional[dict]) -> Optional[st
         return None
     if b.sparse and p.sparsity < s["sparsity_threshold"]:
         return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
-    if b.dense_matrix:
+    # With one group the "block-diagonal" matrix is the weight itself: the dense GEMM does no
+    # extra work, needs no extra memory and has no other group to leak into (ONE_GROUP_RULE).
+    if b.dense_matrix and p.groups > 1:
         if p.groups > s["dense_max_groups"]:
             return f"groups={p.groups} > dense_max_groups={s['dense_max_groups']}"
         if p.dense_elements > s["dense_max_elements"]:
             return f"dense matrix has {p.dense_elements} entries > dense_max_elements={s['dense_max_elements']}"
-    if not b.isolates_groups and not any(map(_config._explicit, ("dense_max_groups", "dense_max_elements"))):
+    if not b.isolates_groups and p.groups > 1 and not any(map(_config._explicit, ("dense_max_groups", "dense_max_elements"))):
         # A NaN/Inf in one group would reach every group (0 * NaN is NaN in a dense GEMM):
         # a change of results, not only of speed, for at best a small gain where the dense
         # GEMM wins at all. So `auto` takes that only on the user's word (config, set_config,
@@ -495,6 +497,21 @@ def blended_times(p: Problem, entry: Optional[dict]) -> tuple[dict[str, float], 
     return {n: base * math.exp(log_ratio[n] / weight[n]) for n in log_ratio}, near
 
 
+# A table measures grouped products (groups >= 2): with one group every backend is the same
+# GEMM with its own layout shuffles around it, and the table's neighbours of another group
+# count rank them by shuffles that do not exist here. So unless the table itself measured
+# one group, `auto` runs such a problem as the plain product.
+ONE_GROUP_RULE = ("one group: the block-diagonal matrix is the weight itself, so the dense backend "
+                  "is F.linear, the plain GEMM (the table measured no one-group shape)")
+
+
+def _one_group_choice(p: Problem, ok: list[str], entry: Optional[dict]) -> Optional[str]:
+    """The backend :data:`ONE_GROUP_RULE` picks for ``p``, or None where it does not apply."""
+    if p.groups != 1 or any(m["groups"] == 1 and m["mode"] == p.mode for m in (entry or {}).get("measurements", [])):
+        return None
+    return next((n for n in ok if get(n).dense_matrix), None)
+
+
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     ok, notes = _screen(p, None, {k: v for k, v, _ in settings}, "choose")
 
@@ -508,12 +525,26 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         key=lambda n: order.index(n) if n in order else len(order),
     )
     ranked = measured + unmeasured
+    one_group = _one_group_choice(p, ok, entry)
+    if one_group is not None:
+        ranked.remove(one_group)
+        ranked.insert(0, one_group)
+        if estimates:
+            # The neighbours' dense times are of several groups' zeros; the plain GEMM does
+            # no more work than the fastest grouped backend there.
+            estimates = {**estimates, one_group: min(estimates.values())}
     if not ranked:  # unreachable while 'loop' is registered; kept as a clear error
         raise BlockDiagError(
             f"choose: no backend can run {p.describe()}: " + "; ".join(f"{k}: {v}" for k, v in notes.items())
         )
     best = ranked[0]
-    if measured:
+    # The table entry may be of another dtype (the nearest one the table holds): say so,
+    # never "measured at this shape" for a dtype nobody measured.
+    table_dtype = (entry or {}).get("dtype")
+    asked = str(p.dtype).replace("torch.", "")
+    if one_group is not None:
+        reason = ONE_GROUP_RULE
+    elif measured:
         near = used[0][1]
         at = f"batch={near['batch']} groups={near['groups']} block={near['block_in']}x{near['block_out']}"
         where = (
@@ -521,10 +552,6 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
             if exact
             else f"fastest as ranked from the {len(used)} nearest measured shapes (nearest: {at})"
         )
-        # The table entry may be of another dtype (the nearest one the table holds): say so,
-        # never "measured at this shape" for a dtype nobody measured.
-        table_dtype = (entry or {}).get("dtype")
-        asked = str(p.dtype).replace("torch.", "")
         if table_dtype and table_dtype != asked:
             where = f"{where} in {table_dtype} (the table has no {asked} entry; ranked from those times)"
         reason = f"{where}, {p.mode}"
@@ -545,6 +572,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         # An entry may say why a backend has no times (profile.fit_variant: another simd variant).
         unmeasured_note = (entry or {}).get("not_measured", {}).get(n, "not measured")
         note = ("chosen; " if n == best else "") + (how if n in estimates else unmeasured_note)
+        if n == best and one_group is not None:
+            note = "chosen by the one-group rule; the fastest time blended here" if n in estimates else "chosen by the one-group rule"
         cands.append(Candidate(n, True, estimates.get(n), note, exact and n in estimates))
     for n in names():
         if n in notes:

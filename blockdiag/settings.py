@@ -41,7 +41,9 @@ class Settings:
         sparsity_threshold: sparse layouts (CSR, BSR, torch-sparse) are candidates only when
             the weight's sparsity ``1 - 1/groups`` is at least this. ``1.0`` means never.
         dense_max_groups: the dense block-diagonal GEMM is a candidate only up to this many
-            groups (its cost grows with ``groups**2``).
+            groups (its cost grows with ``groups**2``). Neither crossover applies to one
+            group, where the dense matrix is the weight itself (see
+            :data:`blockdiag.dispatch.ONE_GROUP_RULE`).
         dense_max_elements: ... and only while the dense matrix has at most this many entries.
         profile: path of the tuning profile, or None for the default location.
         double_backward: ``True`` keeps ``auto``, for training, on the backends whose backward

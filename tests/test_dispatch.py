@@ -534,3 +534,45 @@ def test_empty_shapes_rank_without_error(prof):
     prof(point(batch=0, loop=1.0, bmm=2.0), point(batch=64, loop=2.0, bmm=1.0))
     assert choose(Problem(0, 50, 10, 10)).backend == "loop"
     assert choose(Problem(32, 50, 10, 10)).backend in ("loop", "bmm")
+
+
+# ------------------------------------------------------------------ one group
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_one_group_runs_the_plain_gemm(train, dtype):
+    # The built-in table measured grouped shapes only; its neighbours rank the layout
+    # shuffles around the one GEMM, and its crossovers keep dense off for the groups' sake.
+    plan = choose(Problem(1024, 1, 150, 500, dtype, requires_grad=train))
+    assert plan.backend == "dense" and plan.reason == dispatch.ONE_GROUP_RULE
+    chosen = next(c for c in plan.candidates if c.name == "dense")
+    fastest = min(c.estimate_us for c in plan.candidates if c.ok and c.estimate_us is not None)
+    assert chosen.estimate_us == fastest and "one-group rule" in chosen.note
+    assert "one group" in str(plan)
+    # Two groups: the table ranks again, and the crossovers keep dense out.
+    two = choose(Problem(1024, 2, 150, 500, dtype, requires_grad=train))
+    assert two.backend != "dense" and two.reason != dispatch.ONE_GROUP_RULE
+
+
+def test_one_group_follows_a_table_that_measured_one_group(prof):
+    prof(point(groups=1, block_in=150, block_out=500, bmm=5.0, loop=9.0, dense=7.0))
+    plan = choose(Problem(256, 1, 150, 500))
+    assert plan.backend == "bmm" and "measured at this shape" in plan.reason
+
+
+def test_one_group_without_a_dense_backend_ranks_by_the_table(monkeypatch):
+    monkeypatch.delitem(_registry._REGISTRY, "dense")
+    plan = choose(Problem(1024, 1, 150, 500))
+    assert plan.backend != "dense" and plan.reason != dispatch.ONE_GROUP_RULE
+
+
+def test_one_group_auto_matches_the_reference():
+    torch.manual_seed(0)
+    layer = blockdiag.GroupedLinear(20, 30, groups=1, dtype=torch.float64)
+    x = torch.randn(7, 20, dtype=torch.float64, requires_grad=True)
+    assert layer.plan(x).backend == "dense"
+    y = layer(x)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight[0], layer.bias))
+    y.sum().backward()
+    assert layer.weight.grad.shape == layer.weight.shape

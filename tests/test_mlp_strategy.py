@@ -355,8 +355,10 @@ def _fake_plans(monkeypatch, own_us, fm_us, fm_ok=True):
     ],
 )
 def test_auto_follows_the_measured_sums(monkeypatch, chain_spy, own, fm, ok, want, says):
+    # The sums decide on a device where the strategies were never timed whole.
+    monkeypatch.setattr(mlp_mod, "CHAIN_WHEREVER_ALLOWED", frozenset())
     _fake_plans(monkeypatch, own, fm, ok)
-    model = _model()
+    model = _model(shared=False)  # every layer grouped: a one-group layer is left out of both sums
     x = _x(model, 4)
     plan = model.plan(x)
     assert plan.strategy == want and says in plan.reason
@@ -492,3 +494,48 @@ def test_fsdp2_fully_shard_per_layer(tmp_path):
     script.write_text(_FSDP_SCRIPT)
     run = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_on_cpu_the_chain_runs_whatever_the_sums_say(monkeypatch, chain_spy):
+    # The whole models were timed on CPU (scripts/bench_mlp_strategy.py): the chain won, so
+    # per-layer sums that favour the layers tenfold do not decide there.
+    _fake_plans(monkeypatch, [1.0, 1.0, 1.0], [10.0, 10.0, 10.0])
+    model = _model(shared=False)
+    x = _x(model, 4)
+    plan = model.plan(x)
+    assert plan.strategy == "fm_chain" and "measured faster than the layers" in plan.reason
+    assert (plan.chain_us, plan.layers_us) == (30.0, 3.0)
+    model(x)
+    assert len(chain_spy) == 1
+
+
+def test_on_cpu_the_sums_still_need_bmm_fm(monkeypatch, chain_spy):
+    _fake_plans(monkeypatch, [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], fm_ok=False)
+    model = _model(shared=False)
+    x = _x(model, 4)
+    assert model.plan(x).strategy == "layers"
+    model(x)
+    assert chain_spy == []
+
+
+@pytest.mark.parametrize("batch", [64, 1024])
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+def test_the_forum_model_runs_the_chain_on_cpu(batch, train):
+    # The built-in table's per-layer sums favoured the layers here (1.4-3.3x), and the layers
+    # ran 1.05-1.45x slower than the chain: the regression the asv history showed at batch 1024.
+    torch.manual_seed(0)
+    model = GroupedMLP(150, [10, 10], 1, heads=50)
+    x = torch.randn(batch, 150)
+    with torch.set_grad_enabled(train):
+        plan = model.plan(x)
+    assert plan.strategy == "fm_chain", str(plan)
+    assert plan.layers[0].backend == "dense"  # the shared first layer: one group, one plain GEMM
+
+
+def test_a_one_group_layer_is_left_out_of_both_sums(monkeypatch):
+    # The shared first layer is one plain GEMM whichever strategy runs it.
+    monkeypatch.setattr(mlp_mod, "CHAIN_WHEREVER_ALLOWED", frozenset())
+    _fake_plans(monkeypatch, [100.0, 5.0, 1.0], [1.0, 5.0, 1.0])
+    model = _model(shared=True)
+    plan = model.plan(_x(model, 4))
+    assert (plan.chain_us, plan.layers_us) == (6.0, 6.0)

@@ -142,13 +142,17 @@ class MLPPlan:
 
 
 # What the chain saves over the same products run layer by layer (one transposing copy and
-# one module call per layer) is in no measured table: each table time is one whole layer
-# call. The chain is therefore credited this factor over the sum of ``bmm_fm``'s table
-# times. Measured on CPU (2-core VMs, interleaved medians), the chain ran 1.01-1.28x faster
-# than the same multiplies through the layers (about 1.15x at batch 64 forward, 1.19x in
-# training, 1.01x at batch 1024); 1.1 takes the chain where it wins by that margin and
-# leaves near-ties to the layers. ``strategy=`` forces either.
+# one module call per layer, and the layout changes between layers whose backends differ)
+# is in no measured table: each table time is one whole layer call. Where the strategies
+# have not been timed against each other, the chain is credited this factor over the sum of
+# ``bmm_fm``'s table times; ``strategy=`` forces either.
 CHAIN_ADVANTAGE = 1.1
+
+# Device types where the two strategies were timed against each other, whole models, and
+# the chain was faster at every point (scripts/bench_mlp_strategy.py; the figures are in
+# docs/results/mlp-strategy-cpu.json and on the docs' Performance page): there ``auto`` runs
+# the chain wherever it is allowed, and the table's per-layer sums are only reported.
+CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
 
 
 class GroupedMLP(nn.Module):
@@ -187,10 +191,13 @@ class GroupedMLP(nn.Module):
       batch size) and the batch is not empty. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
-      chosen backend's time; the chain runs when its estimate is at most
-      ``CHAIN_ADVANTAGE`` times the layers': what the chain saves (a transposing copy and a
-      layer call per layer) is in no table, and that factor credits it (see its comment).
-      Without a table entry for either, the layers run. The decision is cached per input shape, dtype, device, grad mode and the chooser's epoch (settings,
+      chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
+      the whole models were timed and the chain won at every point
+      (``scripts/bench_mlp_strategy.py``), the chain runs wherever the table has both sums;
+      elsewhere it runs when its estimate is at most ``CHAIN_ADVANTAGE`` times the layers':
+      what the chain saves (a transposing copy and a layer call per layer, and the layout
+      changes between layers) is in no table, and that factor credits it. Without a table
+      entry for either, the layers run. The decision is cached per input shape, dtype, device, grad mode and the chooser's epoch (settings,
       profile, registry, thread count: see :mod:`blockdiag.dispatch`), like
       ``GroupedLinear``'s; whether the chain is allowed is checked on every call (a few
       dict reads: a hook can be added at any time).
@@ -479,6 +486,11 @@ class GroupedMLP(nn.Module):
         chain_us: Optional[float] = 0.0
         layers_us: Optional[float] = 0.0
         for plan in plans:
+            if plan.problem.groups == 1:
+                # The shared first layer: one plain GEMM whichever strategy runs it, so it is
+                # left out of both sums rather than let the table's extrapolation (from
+                # grouped shapes) decide between two runs of the same product.
+                continue
             by_name = {c.name: c for c in plan.candidates}
             fm, own = by_name.get("bmm_fm"), by_name.get(plan.backend)
             chain_us = None if chain_us is None or fm is None or not fm.ok or fm.estimate_us is None else chain_us + fm.estimate_us
@@ -486,6 +498,10 @@ class GroupedMLP(nn.Module):
         if chain_us is None or layers_us is None:
             missing = "fm_chain" if chain_us is None else "layers"
             return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
+        if x.device.type in CHAIN_WHEREVER_ALLOWED:
+            return True, (f"allowed, and on {x.device.type} the chain was measured faster than the layers at every "
+                          "point of scripts/bench_mlp_strategy.py (the table's per-layer sums below miss the "
+                          "layout changes between layers)"), chain_us, layers_us, plans
         if chain_us <= CHAIN_ADVANTAGE * layers_us:
             ratio = chain_us / layers_us if layers_us > 0 else 0.0
             return True, (f"allowed, and estimated faster: the table's bmm_fm times sum to {ratio:.2f}x the layers' "
