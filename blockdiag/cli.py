@@ -513,17 +513,23 @@ def _provenance() -> dict:
 
     from . import __version__
 
-    commit = None
+    commit = dirty = None
     root = Path(__file__).resolve().parent.parent
     if (root / ".git").exists():
         try:
             out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                  text=True, timeout=10)
             commit = out.stdout.strip() or None if out.returncode == 0 else None
+            if commit is not None:
+                # The commit alone does not name the code measured when tracked files were
+                # edited since: say so (untracked files are ignored: results, caches).
+                out = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, timeout=10)
+                dirty = bool(out.stdout.strip()) if out.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired):
-            commit = None
+            commit = dirty = None
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"created": created, "commit": commit, "blockdiag": __version__}
+    return {"created": created, "commit": commit, "commit_dirty": dirty, "blockdiag": __version__}
 
 
 def _builtin_columns(r: dict) -> str:

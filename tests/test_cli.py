@@ -687,6 +687,15 @@ def test_the_summary_labels_every_figure():
     assert "a new figure" in lines[-1] and "_fastest" not in text and "a_new" not in text
 
 
+@pytest.mark.parametrize("cost,says", [(-17.9, "below zero: less than this run's timing noise"), (3.2, None)])
+def test_a_negative_dispatch_cost_is_called_noise(cost, says):
+    from blockdiag import _cli_format as fmt
+
+    line = fmt.summary_lines("train", {"median_dispatch_overhead_us": cost}).splitlines()[1]
+    assert f"{cost:.1f} us" in line
+    assert (says in line) if says else "noise" not in line
+
+
 def test_every_option_has_help_and_every_value_option_its_default():
     import argparse
 
@@ -786,3 +795,26 @@ def test_the_decision_map_has_a_legend_and_a_title_that_fits(tmp_path):
     assert seen["cut"] == [], seen["cut"]
     # Drawn at the docs' width, so that its 7-9 pt labels are read at that size.
     assert Image.open(path).size[0] == 800
+
+
+def test_results_name_their_commit_and_whether_it_was_edited(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    from blockdiag import cli
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = tmp_path / "repo"
+    pkg = root / "blockdiag"
+    pkg.mkdir(parents=True)
+    (pkg / "cli.py").write_text("x = 1\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    monkeypatch.setattr(cli, "__file__", str(pkg / "cli.py"))
+    clean = cli._provenance()
+    assert len(clean["commit"]) == 40 and clean["commit_dirty"] is False
+    (pkg / "cli.py").write_text("x = 2\n")
+    assert cli._provenance()["commit_dirty"] is True
