@@ -19,8 +19,9 @@ Two kinds of benchmark live here (see docs/performance-history.md):
   (:func:`ratio_of_minima`). Both sides were sampled over the same seconds of the machine and
   noise only adds time, so a loaded machine moves the ratio far less than it moves a time.
   These are the headline numbers.
-* ``time_*`` **times**: asv's own sampler, with :data:`TIME_SAMPLING` (enough samples that
-  unchanged code varies by under 10% on a quiet machine). They move with the machine's load.
+* ``time_*`` **times**: asv's own sampler, with :data:`TIME_SAMPLING`. They move with the
+  machine's load and state (see the comment there), so they answer "how long" on a quiet
+  machine and are never the headline.
 
 Only public API that every benchmarked commit has is used here (``GroupedLinear``,
 ``grouped_linear``, ``backends``), and the timer is this file's own, so the suite runs against
@@ -94,10 +95,13 @@ def try_run(fn):
 
 
 # asv's sampling of every time_* benchmark: 2 processes ("rounds") x 10-25 samples of at least
-# 25 ms each (the call repeated to fill them), at most 3 s of samples per process. The median
-# of those ~30 samples varies by under 10% between runs of unchanged code on a quiet 2-core
-# machine (docs/performance-history.md has the figures); --quick takes one sample and is
-# only a smoke test, never history.
+# 25 ms each (the call repeated to fill them), at most 3 s of samples per process. On the
+# project's shared 2-core VM that does not make a time repeatable: three runs of unchanged
+# code, minutes apart, differ far more than 10% at most points (docs/results/
+# asv-time-noise-*.json, rendered on docs/performance-history.md), because the machine's
+# state changes between processes; more samples per process do not help. Compare times only
+# between commits measured together on a quiet machine; the ratios are the history. --quick
+# takes one sample and is only a smoke test, never history.
 TIME_SAMPLING = {
     "rounds": 2, "repeat": (10, 25, 3.0), "sample_time": 0.025, "min_run_count": 10, "warmup_time": 0.1,
 }
