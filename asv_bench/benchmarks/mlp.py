@@ -76,3 +76,22 @@ class ForumMLP:
     def time_train_step(self, *_):
         self.train_step()
         sync(self.device)
+
+
+@asv_sampling
+class ForumMLPOneThread(ForumMLP):
+    """The same times on one thread: the repeatable series on a shared machine.
+
+    With two OpenMP threads on a 2-core VM, a thread that loses its core for a moment stalls
+    every parallel region, and three runs of unchanged code differed by a median 10-18% here;
+    on one thread they stayed within 10% (docs/results/asv-time-noise-*.json). This series
+    measures per-core speed, not the default configuration's.
+    """
+
+    def setup(self, model, device, batch):
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        super().setup(model, device, batch)
+
+    def teardown(self, *_):
+        torch.set_num_threads(self._threads)
