@@ -19,9 +19,11 @@ count, winner or timing in the docs is typed by hand:
     a ``blockdiag bench --json`` file from ``docs/results/``: its machine and command, the
     summary per mode, each backend's standing and, folded, every point.
 ``<!-- bench-compiled: FILE -->``, ``<!-- bench-distributed: FILE -->``,
-``<!-- bench-summaries: FILE -->``, ``<!-- allocator: FILE -->``
+``<!-- bench-summaries: FILE -->``, ``<!-- allocator: FILE -->``,
+``<!-- mlp-strategy: FILE -->``, ``<!-- asv-time-noise: FILE -->``
     the other result files (``bench --compiled``, ``scripts/bench_distributed.py``, earlier
-    bench summaries, the allocator comparison).
+    bench summaries, the allocator comparison, ``scripts/bench_mlp_strategy.py``, asv runs
+    of unchanged code).
 ``<!-- results-index -->``
     every file in ``docs/results/`` with the command that wrote it.
 ``<!-- explain: ARGS -->``
@@ -572,6 +574,58 @@ def allocator_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def mlp_strategy_markdown(name: str) -> str:
+    """``scripts/bench_mlp_strategy.py --json``: the chain against the layers, whole models."""
+    d = _load(name)
+    sm = d["summary"]
+    out = [
+        (f"**Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}; "
+         f"{d.get('statistic', 'median')} of {d.get('rounds', '?')} interleaved rounds. **When**: {d.get('created', '?')}"
+         + (f", blockdiag at `{d['commit']}`" if d.get("commit") else "")
+         + f". **Command**: `{d.get('command', '')}`."),
+        "",
+        (f"The chain was faster at {sm['chain_faster']} of {sm['points']} points; chain / layers ranged from "
+         f"{sm['chain_over_layers_min']:.2f} to {sm['chain_over_layers_max']:.2f} (geometric mean "
+         f"{sm['chain_over_layers_geomean']:.2f}). The last two columns are the table's per-layer sums, "
+         "which `auto` no longer ranks the strategies by on CPU."),
+        "",
+        "| heads | sizes | batch | mode | chain | layers | chain / layers | `auto` runs | layers' backends | table: chain / layers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        t = r["times_us"]
+        est = ("-" if not r.get("table_layers_us") or r.get("table_chain_us") is None
+               else f"{r['table_chain_us'] / r['table_layers_us']:.2f}")
+        out.append(
+            f"| {r['heads']} | {' -> '.join(map(str, r['sizes']))} | {r['batch']} | {r['mode']} | "
+            f"{t['fm_chain'] / 1000:.2f} ms | {t['layers'] / 1000:.2f} ms | {r['chain_over_layers']:.2f} | "
+            f"{r['auto']} | {', '.join(r['layer_backends'])} | {est} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def asv_time_noise_markdown(name: str) -> str:
+    """Three asv runs of unchanged code: how far each time benchmark family moved."""
+    d = _load(name)
+    out = [
+        (f"{d['what']}. **Machine**: {d['machine']}. **When**: {d['created']}, blockdiag at `{d['commit']}`. "
+         f"**Sampling**: {d['sampling']}. **Command**: `{d['command']}`."),
+        "",
+        "| threads | benchmark | points | median spread | within 10% | worst spread | load average (start, end) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for threads, fams in d["families"].items():
+        load = d.get("load_average", {}).get(threads)
+        for fam, v in fams.items():
+            out.append(
+                f"| {threads} | `{fam}` | {v['points']} | {v['median_spread']:.0%} | {v['within_10pct']} | "
+                f"{v['worst_spread']:.0%} | {', '.join(f'{x:.1f}' for x in load) if load else '-'} |"
+            )
+    out.append("")
+    return "\n".join(out)
+
+
 def explain_markdown(args: str) -> str:
     """What ``blockdiag explain ARGS`` prints here with the built-in table (no user profile)."""
     import argparse
@@ -605,7 +659,7 @@ def results_index_markdown() -> str:
         d = json.loads(path.read_text())
         if "compiled" in d:
             what, cmd = "`bench --compiled`", _command(d.get("argv")) + " (one point of several)"
-        elif "rows" in d and "summary" in d:
+        elif "rows" in d and "summary" in d and "argv" in d:
             what, cmd = "`bench`", _command(d.get("argv"))
         elif "table_markdown" in d:
             what, cmd = "`scripts/bench_distributed.py`", "python " + d.get("command", "")
@@ -623,6 +677,8 @@ _FILE_MARKERS = {
     "bench-distributed": bench_distributed_markdown,
     "bench-summaries": bench_summaries_markdown,
     "allocator": allocator_markdown,
+    "mlp-strategy": mlp_strategy_markdown,
+    "asv-time-noise": asv_time_noise_markdown,
 }
 _EXPLAIN = re.compile(r"<!-- explain: ([\w\s.\-]+?) -->")
 _FILE_MARKER = re.compile(r"<!-- (" + "|".join(map(re.escape, _FILE_MARKERS)) + r"): ([\w.\-]+) -->")
