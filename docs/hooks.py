@@ -20,10 +20,12 @@ count, winner or timing in the docs is typed by hand:
     summary per mode, each backend's standing and, folded, every point.
 ``<!-- bench-compiled: FILE -->``, ``<!-- bench-distributed: FILE -->``,
 ``<!-- bench-summaries: FILE -->``, ``<!-- allocator: FILE -->``,
-``<!-- mlp-strategy: FILE -->``, ``<!-- asv-time-noise: FILE -->``
+``<!-- mlp-strategy: FILE -->``, ``<!-- asv-time-noise: FILE -->``,
+``<!-- asv-history: FILE -->``, ``<!-- asv-stability: FILE -->``, ``<!-- asv-experiment: FILE -->``
     the other result files (``bench --compiled``, ``scripts/bench_distributed.py``, earlier
     bench summaries, the allocator comparison, ``scripts/bench_mlp_strategy.py``, asv runs
-    of unchanged code).
+    of unchanged code, the published asv history, the stability of its ratios, and the
+    injected-slowdown experiment).
 ``<!-- results-index -->``
     every file in ``docs/results/`` with the command that wrote it.
 ``<!-- explain: ARGS -->``
@@ -626,6 +628,90 @@ def asv_time_noise_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def _span(v, fmt="{}", suffix="") -> str:
+    """``v`` or a ``[lo, hi]`` range as text (``lo-hi`` when they differ)."""
+    if isinstance(v, (list, tuple)):
+        lo, hi = v
+        return fmt.format(lo) + suffix if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}{suffix}"
+    return fmt.format(v) + suffix
+
+
+def asv_history_markdown(name: str) -> str:
+    """The published asv history run: what it was and the steps it showed."""
+    d = _load(name)
+    out = [
+        (f"**Run**: `{d['command']}` over the {d['commit_count']} first-parent commits of `main` from "
+         f"`{d['commits'][0]}` to `{d['commits'][1]}`, on {d['machine']}, in {d['duration_min']} minutes; load "
+         f"average {d['load_average'][0]} at the start and {d['load_average'][1]} at the end ({d['load_note']}). "
+         f"(file: `docs/results/{name}`)"),
+        "",
+        f"The step at `{d['step_commit']}`: {d['step_cause']}.",
+        "",
+        "| benchmark | point | before the step | after it | reads as |",
+        "|---|---|---|---|---|",
+    ]
+    for r in d["series"]:
+        out.append(f"| `{r['benchmark']}` | {r['point']} | {_span(r['before'])} | {_span(r['after'])} | {r['reads']} |")
+    out += ["", f"Besides: {d['unchanged_lines']}; the gap is {d['gap']}.", ""]
+    return "\n".join(out)
+
+
+def asv_stability_markdown(name: str) -> str:
+    """How far the ratios (and the history's points) move on unchanged code."""
+    d = _load(name)
+    out = [
+        f"**What**: {d['what']} (file: `docs/results/{name}`; {d['machine']}).",
+        "",
+        "| runs | machine | headline ratios | `track_backend_over_ideal` |",
+        "|---|---|---|---|",
+    ]
+    for r in d["ratio_runs"]:
+        def cell(v):
+            txt = f"{v['points']} points: median difference {v['median_difference']:.1%}, {v['within_10pct']} within 10%"
+            if "within_5pct" in v:
+                txt += f", {v['within_5pct']} within 5%"
+            if "worst" in v:
+                txt += f", worst {v['worst']:.0%}"
+            return txt
+        out.append(f"| {r['runs']} | {r['load']} | {cell(r['headline'])} | {cell(r['backend_over_ideal'])} |")
+    lo, hi = d["times_moved_between_runs"]
+    out += ["", f"The times of the same runs moved by {lo}x to {hi}x between the quiet and the loaded runs.", ""]
+    h = d["history_deviation"]
+    out.append(f"Over the {h['commits']} commits of the published history from `{h['from']}` on ({h['statistic']}):")
+    out.append("")
+    for f in h["families"]:
+        worst = f" (worst {f['worst']:.0%})" if "worst" in f else ""
+        med = f["median"]
+        out.append(f"- `{f['benchmark']}`: {_span([round(m * 100) for m in med] if isinstance(med, list) else round(med * 100), suffix='%')}{worst}")
+    e, t = d["load_example"], d["earlier_times_comparison"]
+    out += ["", (f"Under load: the {e['what']} went from {e['before_ms']} ms to {e['after_ms']} ms. Earlier, "
+                 f"{t['what']} differed by a median {t['median_difference']:.0%}."), ""]
+    return "\n".join(out)
+
+
+def asv_experiment_markdown(name: str) -> str:
+    """The injected-slowdown experiment: what each commit changed and what asv flagged."""
+    d = _load(name)
+    out = [
+        f"**What**: {d['what']}:",
+        "",
+        *(f"- *{k}*: {v};" for k, v in d["commits"].items()),
+        "",
+        (f"Each was compared with its base on {d['machine']}, load average {_span(d['load_average'])} "
+         f"(file: `docs/results/{name}`):"),
+        "",
+        f"```bash\n{d['command']}\n```",
+        "",
+        "| benchmarks (points) | *slow* against its base | *unchanged* against its base |",
+        "|---|---|---|",
+    ]
+    for r in d["rows"]:
+        pts = f" ({r['points']})" if r.get("points") else ""
+        out.append(f"| {r['benchmarks']}{pts} | {r['slow']} | {r['unchanged']} |")
+    out += ["", f"A first try: {d['first_try']}.", ""]
+    return "\n".join(out)
+
+
 def explain_markdown(args: str) -> str:
     """What ``blockdiag explain ARGS`` prints here with the built-in table (no user profile)."""
     import argparse
@@ -679,6 +765,9 @@ _FILE_MARKERS = {
     "allocator": allocator_markdown,
     "mlp-strategy": mlp_strategy_markdown,
     "asv-time-noise": asv_time_noise_markdown,
+    "asv-history": asv_history_markdown,
+    "asv-stability": asv_stability_markdown,
+    "asv-experiment": asv_experiment_markdown,
 }
 _EXPLAIN = re.compile(r"<!-- explain: ([\w\s.\-]+?) -->")
 _FILE_MARKER = re.compile(r"<!-- (" + "|".join(map(re.escape, _FILE_MARKERS)) + r"): ([\w.\-]+) -->")
