@@ -14,8 +14,6 @@ import importlib
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -31,7 +29,7 @@ from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import backend_tolerances, reference_loop, reference_scipy, tolerances
 
-from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy
+from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy, run_or_fail_on_hang
 
 
 BACKENDS = [pytest.param(n, id=n) for n in names()]
@@ -545,15 +543,9 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
     available = ",".join(n for n in ("mkl_batch", "simd") if get(n).unavailable_reason() is None)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     # Its own session, so that a hung child (orphaned when the parent is killed) goes too.
-    proc = subprocess.Popen([sys.executable, "-c", script, available], stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("a child forked after listing backends and planning hung in torch.bmm")
-    assert proc.returncode == 0, err
+    code, _, err = run_or_fail_on_hang([sys.executable, "-c", script, available], 120,
+                                       "a child forked after listing backends and planning (torch.bmm)", env=env)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(
