@@ -295,10 +295,9 @@ def _sample(run: Callable[[], None], n: int, device: str) -> float:
 STATS = {"median": statistics.median, "min": min}
 
 # Backends within this fraction of the fastest one at a tuned point are near-tied and get
-# extra rounds (``tune``'s default ``refine``). On the project's shared 2-core VM the same
-# kernel's median moved by 10-70% between runs (bmm_fm, forward B=2048 G=50 64x64: 5.3 ms
-# in one tune, 4.2-4.3 ms in two later runs, where bmm took 4.8-7.1 ms), so a lead of a few
-# percent after five rounds is not yet a ranking.
+# extra rounds (``tune``'s default ``refine``). On a shared machine the same kernel's median
+# moves between runs by far more than a few percent (docs/results/asv-time-noise-*.json), so
+# a lead of a few percent after five rounds is not yet a ranking.
 TIE_MARGIN = 0.05
 
 # ``bench``'s ``refine``: wider than tune's, since a bench point's verdicts (auto within 1.10
