@@ -84,9 +84,10 @@ def _median_times(fns: dict, rounds: int) -> dict:
     return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
 
 
-def measure(rounds: int) -> list[dict]:
+def measure(rounds: int, models=MODELS) -> list[dict]:
+    """One row per model, batch and mode: both strategies' median times and ``auto``'s pick."""
     rows = []
-    for h, sizes, batches in MODELS:
+    for h, sizes, batches in models:
         torch.manual_seed(0)
         heads = _heads(h, sizes)
         for batch in batches:
@@ -130,8 +131,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--json", help="write the rows and a summary to this file")
+    ap.add_argument("--tiny", action="store_true", help="one tiny model (a smoke test; default off)")
     args = ap.parse_args()
-    rows = measure(args.rounds)
+    rows = measure(args.rounds, [(3, [6, 4, 2], [5])] if args.tiny else MODELS)
     ratios = [r["chain_over_layers"] for r in rows]
     summary = {
         "points": len(rows),
@@ -146,7 +148,7 @@ def main() -> None:
         doc = {
             "what": "GroupedMLP: the feature-major chain against the layers (each with auto's backends), "
                     "Adam training step and inference forward, medians of interleaved rounds",
-            "command": "python scripts/bench_mlp_strategy.py --json " + args.json,
+            "command": "python scripts/bench_mlp_strategy.py " + ("--tiny " if args.tiny else "") + "--json " + args.json,
             "device_name": device_name("cpu"),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
