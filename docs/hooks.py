@@ -652,7 +652,7 @@ def asv_history_markdown(name: str) -> str:
     ]
     for r in d["series"]:
         out.append(f"| `{r['benchmark']}` | {r['point']} | {_span(r['before'])} | {_span(r['after'])} | {r['reads']} |")
-    out += ["", f"Besides: {d['unchanged_lines']}; the gap is {d['gap']}.", ""]
+    out += ["", f"Besides: {d['step_also']}; {d['unchanged_lines']}; the gap is {d['gap']}.", ""]
     return "\n".join(out)
 
 
@@ -683,9 +683,14 @@ def asv_stability_markdown(name: str) -> str:
         worst = f" (worst {f['worst']:.0%})" if "worst" in f else ""
         med = f["median"]
         out.append(f"- `{f['benchmark']}`: {_span([round(m * 100) for m in med] if isinstance(med, list) else round(med * 100), suffix='%')}{worst}")
-    e, t = d["load_example"], d["earlier_times_comparison"]
-    out += ["", (f"Under load: the {e['what']} went from {e['before_ms']} ms to {e['after_ms']} ms. Earlier, "
-                 f"{t['what']} differed by a median {t['median_difference']:.0%}."), ""]
+    e, t, g = d["load_example"], d["earlier_times_comparison"], d["ideal_gemm_bimodal"]
+    out += ["", (f"Under load a {e['short_product']['us']} µs product took {e['short_product']['took_ms']} ms, and the "
+                 f"{e['what']} went from {e['before_ms']} ms to {e['after_ms']} ms. The ideal GEMM at `{g['shape']}` "
+                 f"(a {g['mflop']} MFLOP product) ran in either about {g['us'][0]} µs or about {g['us'][1]} µs in a "
+                 f"given process, so every ratio over it there moved {g['ratio_moves']}x between runs. Earlier, "
+                 f"{t['what']}, at a load average of {_span(t['load_average'])}, differed by a median "
+                 f"{t['median_difference']:.0%} (the first run's {t['short_products']['us']} µs products took "
+                 f"{t['short_products']['took_ms']} ms)."), ""]
     return "\n".join(out)
 
 
@@ -698,7 +703,7 @@ def asv_experiment_markdown(name: str) -> str:
         *(f"- *{k}*: {v};" for k, v in d["commits"].items()),
         "",
         (f"Each was compared with its base on {d['machine']}, load average {_span(d['load_average'])} "
-         f"(file: `docs/results/{name}`):"),
+         f"({d['load_note']}; file: `docs/results/{name}`):"),
         "",
         f"```bash\n{d['command']}\n```",
         "",

@@ -1,0 +1,41 @@
+"""The docs hook (``docs/hooks.py``) renders the Performance history page's figures from the
+committed files in ``docs/results/``: every marker there renders, and the figures it renders
+are the ones in its file."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "performance-history.md"
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    spec = importlib.util.spec_from_file_location("_docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A figure of each file that must appear, as rendered, in its generated section.
+FIGURES = {
+    "asv-history-2026-12.json": ["0.24-0.29", "11.3-14.1", "8bd049f", "31 minutes", "2.9", "2.6"],
+    "asv-stability-2026-12.json": ["2.4%", "51%", "16-18%", "74%", "75 µs", "155 µs", "1.4 ms", "6.7 ms"],
+    "asv-regression-experiment.json": ["f64bad7", "1.10 to 1.40", "exit status 1", "1.5-2.0"],
+    "asv-time-noise-2026-12-05.json": ["3a79b6d", "26%"],
+}
+
+
+def test_every_marker_of_the_history_page_renders(hooks):
+    page = PAGE.read_text()
+    markers = re.findall(r"<!-- ([\w-]+): ([\w.\-]+) -->", page)
+    assert {f for _, f in markers} == set(FIGURES)
+    rendered = hooks.render(page)
+    assert not re.search(r"<!-- [\w-]+: [\w.\-]+ -->", rendered)
+    for marker, name in markers:
+        section = hooks._FILE_MARKERS[marker](name)
+        for figure in FIGURES[name]:
+            assert figure in section, (marker, name, figure)
