@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
+import itertools
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 from torch import nn
 
 import blockdiag
+from blockdiag.cli import _provenance
 from blockdiag.profile import device_name
 
 # (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks.
@@ -42,7 +42,7 @@ MODELS = [
 def _heads(h: int, sizes: list[int]) -> nn.ModuleList:
     def head():
         layers: list[nn.Module] = []
-        for a, b in zip(sizes, sizes[1:]):
+        for a, b in itertools.pairwise(sizes):
             layers += [nn.Linear(a, b), nn.ReLU()]
         return nn.Sequential(*layers[:-1])
 
@@ -118,15 +118,6 @@ def measure(rounds: int, models=MODELS) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
@@ -154,8 +145,7 @@ def main() -> None:
             "torch": torch.__version__,
             "rounds": args.rounds,
             "statistic": "median",
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(),
+            **_provenance(),  # created, commit, commit_dirty, blockdiag: as bench --json records them
             "summary": summary,
             "rows": rows,
         }

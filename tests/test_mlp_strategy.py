@@ -521,8 +521,8 @@ def test_on_cpu_the_sums_still_need_bmm_fm(monkeypatch, chain_spy):
 @pytest.mark.parametrize("batch", [64, 1024])
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
 def test_the_forum_model_runs_the_chain_on_cpu(batch, train):
-    # The built-in table's per-layer sums favoured the layers here (1.4-3.3x), and the layers
-    # ran 1.05-1.45x slower than the chain: the regression the asv history showed at batch 1024.
+    # The built-in table's per-layer sums favour the layers here, and the layers ran slower than
+    # the chain (docs/results/mlp-strategy-cpu.json): the regression the asv history showed.
     torch.manual_seed(0)
     model = GroupedMLP(150, [10, 10], 1, heads=50)
     x = torch.randn(batch, 150)
