@@ -136,6 +136,35 @@ def test_forward_opcheck_other_shape(name):
     torch.library.opcheck(ops.forward_op(name), _fwd_args(name, x, w, b, True), test_utils=FULL_UTILS)
 
 
+# What blockdiag::auto_inline decomposes into at a concrete batch: a backend's torch ops with
+# torch's autograd (bmm_fm), its torch ops inside its own autograd Function (bmm_fm_bmm), or
+# the opaque blockdiag::auto (loop: not torch ops; bmm_fm_loop: its backward writes slices).
+INLINE_CHOICES = ["bmm_fm", "bmm_fm_bmm", "bmm_fm_loop", "loop"]
+
+
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("chosen", INLINE_CHOICES)
+def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
+    from blockdiag.ops import auto as auto_op
+
+    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
+    dtype = torch.float64
+    x, w, b = _operands(SHAPE, dtype, grad, bias)
+    torch.library.opcheck(auto_op.INLINE, (x, w, b, grad), test_utils=FULL_UTILS)
+    with torch.profiler.profile() as prof:
+        y = auto_op.INLINE(x, w, b, grad)
+    ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
+    assert ("blockdiag::auto" in ran) == (chosen in ("loop", "bmm_fm_loop")), sorted(ran)
+    _close(y.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"auto_inline ({chosen})")
+    if grad:
+        gy = torch.randn_like(y)
+        got = torch.autograd.grad((y * gy).sum(), [t for t in (x, w, b) if t is not None])
+        _, *want = _ref_grads(x, w, b, gy)
+        for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
+            _close(g_, w_, dtype, k=SHAPE[0], what=f"auto_inline ({chosen}) gradient of {label}")
+
+
 NEEDS = [
     pytest.param(True, True, True, id="input-weight-bias"),
     pytest.param(True, False, False, id="input"),

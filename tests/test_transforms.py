@@ -310,6 +310,75 @@ def test_compiled_auto_runs_eager_autos_choice(batch_varying_profile):
     assert cnt.frame_count <= 3, f"{cnt.frame_count} graphs for {len(BATCHES)} batch sizes"
 
 
+def _graph_ops():
+    """A torch.compile backend (AOTAutograd, no codegen) and the ops of each forward graph it got."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: list[set[str]] = []
+
+    def forward_graph(gm, _inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+
+    def backward_graph(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward_graph, bw_compiler=backward_graph), seen
+
+
+# batch_varying_profile's winners at these batch sizes: conv is written in torch ops, loop is not.
+INLINED_AT, OPAQUE_AT = 6, 4
+
+
+@pytest.mark.parametrize("dynamic", [pytest.param(False, id="static"), pytest.param(True, id="dynamic")])
+def test_compiled_auto_inlines_a_torch_ops_choice_at_a_static_batch(batch_varying_profile, dynamic):
+    assert batch_varying_profile[INLINED_AT] == "conv" and batch_varying_profile[OPAQUE_AT] == "loop"
+    w, b = _params(torch.float32)
+    for n in (INLINED_AT, OPAQUE_AT):
+        torch._dynamo.reset()
+        backend, seen = _graph_ops()
+        layer = _layer("auto", w, b)
+        x, gy = torch.randn(n, G * I), torch.randn(n, G * O)
+        got = _run_module(torch.compile(layer, backend=backend, dynamic=dynamic), (layer.weight, layer.bias), x, gy)
+        forced = _layer(batch_varying_profile[n], w, b)
+        want = _run_module(forced, (forced.weight, forced.bias), x, gy)
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"batch {n} dynamic={dynamic}: {key} differs from eager auto's"
+        (ops,) = seen
+        opaque = "blockdiag.auto.default" in ops
+        if dynamic or n == OPAQUE_AT:
+            # a graph serving every batch size plans per call; loop is not torch ops
+            assert opaque and "aten.convolution.default" not in ops, sorted(ops)
+        else:
+            assert not opaque and "aten.convolution.default" in ops, sorted(ops)
+
+
+def test_static_graph_follows_a_settings_change(batch_varying_profile):
+    from _profiles import entry, point, write
+
+    from blockdiag import profile
+
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    backend, seen = _graph_ops()
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
+    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    assert "aten.convolution.default" in seen[-1], sorted(seen[-1])
+    # The same shape's winner becomes bmm: the profile is rewritten (clear_cache moves the
+    # generation the graph is guarded on), and the compiled layer must follow eager auto.
+    times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+    times["bmm"] = 1.0
+    write(profile.default_profile_path(),
+          entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I, block_out=O, **times)]))
+    assert layer.plan(x.requires_grad_()).backend == "bmm"
+    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    assert len(seen) == 2, f"{len(seen)} forward graphs: the settings change did not recompile"
+    assert {"aten.bmm.default", "aten.baddbmm.default"} & seen[-1], sorted(seen[-1])
+    assert "aten.convolution.default" not in seen[-1], sorted(seen[-1])
+
+
 # ----------------------------------------------------------------------- GroupedMLP hooks
 
 

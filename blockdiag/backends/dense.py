@@ -44,7 +44,7 @@ def _backward(gy, x, weight, has_bias, need_x, need_w):
     return gx, gw, gb
 
 
-dense = define(OpEntry("dense", _forward, _backward, traceable=True))
+dense = define(OpEntry("dense", _forward, _backward, traceable=True, traceable_backward=True))
 
 
 BACKEND = register(

@@ -19,6 +19,7 @@ from ..dispatch import Plan, plan_for
 from ..ops import OpEntry, plain_eager
 from ..ops import _sharding
 from ..ops.auto import auto as _auto_op
+from ..ops.auto import auto_inline as _auto_inline_op
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -190,6 +191,12 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.reshape(*lead, g * o)
 
 
+def _compile_guard(generation: int) -> None:
+    """Nothing at run time; under dynamo, reading ``generation`` makes it a guard of the graph."""
+    if generation < 0:
+        raise AssertionError(generation)
+
+
 def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product through the registered ops: traced graphs, transforms, modes and subclasses.
 
@@ -209,7 +216,13 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         # jit.trace records Python values as constants, and its check run repeats the call
         # under no_grad: a traced auto is planned for inference, whatever grad mode traced it.
         train = _records_grad(x, weight, bias) and torch._C._get_tracing_state() is None
-        y = _auto_op(x2, weight, bias, train)
+        if torch.compiler.is_compiling():
+            # Dynamo guards what it reads: a graph that planned when traced (auto_inline at a
+            # concrete batch) recompiles when the generation moves (settings, profile, registry).
+            _compile_guard(_settings.generation)
+            y = _auto_inline_op(x2, weight, bias, train)
+        else:
+            y = _auto_op(x2, weight, bias, train)
     else:
         entry = get(backend, fn).fn
         y = entry.call_op(x2, weight, bias) if isinstance(entry, OpEntry) else entry(x2, weight, bias)

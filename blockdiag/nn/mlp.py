@@ -187,8 +187,8 @@ class GroupedMLP(nn.Module):
       ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
       no ``torch.func`` transform, autocast or ``torch.compile`` trace is active (a compiled
-      model runs the layers, whose ``blockdiag`` ops plan per call, so one graph serves every
-      batch size) and the batch is not empty. Faster: the measured table (the one
+      model runs the layers, each planned as ``auto`` plans in a traced graph, so one graph
+      serves every batch size) and the batch is not empty. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
@@ -393,7 +393,7 @@ class GroupedMLP(nn.Module):
     def _auto_context(self, x: torch.Tensor) -> Optional[str]:
         """Why ``auto`` runs the layers whatever the table says, or None (the cheap checks first)."""
         if torch.compiler.is_compiling():
-            return "torch.compile or export is tracing: the layers' ops plan per call, so one graph serves every batch size"
+            return "torch.compile or export is tracing: each layer plans as auto does in a traced graph, so one graph serves every batch size"
         if x.numel() == 0:
             return "the batch is empty"
         if torch._C._are_functorch_transforms_active():

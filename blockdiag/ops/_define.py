@@ -144,6 +144,8 @@ class OpEntry:
             compute, in the same products: eager calls then record ``forward``'s torch ops
             under autograd directly, without the Python Function (whose fixed cost is about
             as large as a small product); the ops still use ``backward``.
+        traceable_backward: ``backward`` is torch ops without ``out=`` or in-place writes,
+            so a compiler can take it as it is (see :attr:`inlinable`).
     """
 
     name: str
@@ -154,6 +156,18 @@ class OpEntry:
     native: bool = False
     check: Optional[Callable] = None
     eager_autograd: bool = False
+    traceable_backward: bool = False
+
+    @property
+    def inlinable(self) -> bool:
+        """Whether a traced graph may record this backend's eager route instead of its op.
+
+        Its forward is torch ops, and so is its backward: torch's own derivatives
+        (``eager_autograd``), :func:`generic_backward` (``backward`` None) or a backward
+        declared ``traceable_backward``. A backward writing into slices (``loop``'s) would be
+        rewritten by functionalization into copies, so such a backend stays one opaque op.
+        """
+        return self.traceable and (self.eager_autograd or self.backward is None or self.traceable_backward)
 
     def __post_init__(self) -> None:
         self.fwd_op = None

@@ -9,6 +9,20 @@ the chosen backend's kernel. ``train`` (whether autograd records the product, wh
 keys on) is decided when tracing, where it is known. The backward op plans the same problem
 with ``train=True``, so it runs the backward of the backend the forward ran. Its fake kernel
 gives a contiguous ``[N, G*out]``, and the kernel returns one whichever backend ran.
+
+``blockdiag::auto_inline`` is what ``torch.compile`` and ``torch.export`` record. It is a
+composite op (``CompositeImplicitAutograd``): AOTAutograd, export and FakeTensor run its Python
+body with the traced operands instead of keeping it in the graph. Where that body sees a
+symbolic batch (a graph that serves every batch size) it records ``blockdiag::auto``, as above.
+Where the batch is a number (a graph specialised to it, as ``torch.compile`` makes first) it
+plans there, with eager's cache, and records the chosen backend's own torch ops when the
+backend is written in them, backward included (``OpEntry.inlinable``: ``bmm_fm``, ``bmm``,
+``bmm_fm_bmm``, ``conv``, ``dense``), so inductor sees and fuses them as it fuses
+``nn.Linear``; a backend that is C, or whose backward writes into slices (``loop``,
+``bmm_fm_loop``), is recorded as ``blockdiag::auto``. Either way the graph runs eager
+``auto``'s choice. Dynamo guards the graph on :data:`blockdiag.settings.generation` (see
+``nn/linear.py``), so a settings, profile or registry change recompiles it and the choice
+follows.
 """
 
 from __future__ import annotations
@@ -33,12 +47,14 @@ from ._define import (
     generic_backward,
 )
 
-__all__ = ["auto", "choice"]
+__all__ = ["auto", "auto_inline", "choice"]
 
 LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 LIB.define("auto_backward" + BACKWARD_SCHEMA)
+LIB.define("auto_inline(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 FORWARD = torch.ops.blockdiag.auto.default
 BACKWARD = torch.ops.blockdiag.auto_backward.default
+INLINE = torch.ops.blockdiag.auto_inline.default
 
 
 # (rows, weight shape, dtype, device type, train, epoch) -> backend name: the op runs once per
@@ -163,7 +179,21 @@ def _vmap(info, in_dims, x, weight, bias, train):
     return _vmap_rule(lambda a, b, c: FORWARD(a, b, c, train))(info, in_dims[:3], x, weight, bias)
 
 
+def _inline(x, weight, bias, train):
+    # Python ints are concrete batches; torch.SymInt is a graph serving every batch size
+    # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int).
+    if isinstance(x.shape[0], torch.SymInt):
+        return FORWARD(x, weight, bias, train)
+    entry = _ENTRIES.get(choice(x, weight, train))
+    if entry is None or not entry.inlinable:
+        return FORWARD(x, weight, bias, train)
+    # The eager route: the forward's torch ops, inside the backend's autograd Function where
+    # its backward is its own kernels, so the traced backward is the one eager runs.
+    return entry.eager(x, weight, bias)
+
+
 LIB.impl("auto", _impl, "CompositeExplicitAutograd")
+LIB.impl("auto_inline", _inline, "CompositeImplicitAutograd")
 LIB.impl("auto_backward", _bwd_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
 torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
@@ -181,6 +211,13 @@ def _register_flops() -> None:
 
 
 _register_flops()
+
+
+def auto_inline(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
+    """The ``auto_inline`` op on a 2-D ``x``: what traced graphs record (see the module's note)."""
+    if torch._C._are_functorch_transforms_active():
+        return _Functorch.apply(x, weight, bias, train)
+    return INLINE(x, weight, bias, train)
 
 
 def auto(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
