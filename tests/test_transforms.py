@@ -437,6 +437,73 @@ def test_mlp_pruned_layer_trains(backend):
     assert bool((model.layers[1].weight[mask == 0] == 0).all())
 
 
+# ------------------------------------------------------------------- compiled GroupedMLP
+
+
+def _mlp_grads(model, x, gy):
+    x = x.detach().requires_grad_()
+    y = model(x)
+    params = [p for _, p in sorted(model.named_parameters())]
+    return y, torch.autograd.grad((y * gy).sum(), [x, *params])
+
+
+@pytest.fixture
+def chain_spy(monkeypatch):
+    """A list that gets an entry each time GroupedMLP runs the chain (dynamo replays it too)."""
+    ran = []
+    chain = GroupedMLP._forward_feature_major
+
+    def spy(self, x):
+        ran.append(1)
+        return chain(self, x)
+
+    monkeypatch.setattr(GroupedMLP, "_forward_feature_major", spy)
+    return ran
+
+
+def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
+    # On the CPU eager auto runs the chain wherever it is allowed; a compiled model does too,
+    # in one graph per shape class (no blockdiag op in it: the chain is bmm/addmm), with the
+    # eager chain's results.
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    model = _mlp("auto")
+    chain = copy.deepcopy(model)
+    chain.strategy = "fm_chain"
+    backend, seen = _graph_ops()
+    cnt = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=cnt, fullgraph=True)
+    counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for n in BATCHES:
+            x, gy = torch.randn(n, 6, dtype=torch.float64), torch.randn(n, 6, dtype=torch.float64)
+            chain_spy.clear()
+            y, grads = _mlp_grads(compiled, x, gy)
+            assert chain_spy, f"batch {n}: the compiled model ran the layers"
+            y_want, grads_want = _mlp_grads(chain, x, gy)
+            torch.testing.assert_close(y, y_want, msg=lambda m: f"batch {n}: output: {m}")
+            for g, w in zip(grads, grads_want):
+                torch.testing.assert_close(g, w, msg=lambda m: f"batch {n}: gradient: {m}")
+    assert cnt.frame_count <= 3, f"{cnt.frame_count} graphs for {len(BATCHES)} batch sizes"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for ops in seen:
+        assert not any(op.startswith("blockdiag.") for op in ops), sorted(ops)
+        assert "aten.baddbmm.default" in ops, sorted(ops)
+
+
+def test_compiled_mlp_runs_hooked_layers(chain_spy):
+    model = _mlp("auto")
+    fired = []
+    model.layers[1].register_forward_hook(lambda m, args, out: fired.append(out.shape))
+    backend, seen = _graph_ops()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    y = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(y, _heads_output(model, x))
+    assert fired == [torch.Size([5, 12])], fired
+    assert not chain_spy and seen, "the compiled model ran the chain past a hooked layer"
+
+
 # ------------------------------------------------------------------ fresh subprocesses
 
 

@@ -186,9 +186,11 @@ class GroupedMLP(nn.Module):
     - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
       ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
-      no ``torch.func`` transform, autocast or ``torch.compile`` trace is active (a compiled
-      model runs the layers, each planned as ``auto`` plans in a traced graph, so one graph
-      serves every batch size) and the batch is not empty. Faster: the measured table (the one
+      no ``torch.func`` transform or autocast is active and the batch is not empty. Under a
+      ``torch.compile`` or ``torch.export`` trace the table is not read: on a device type in
+      ``CHAIN_WHEREVER_ALLOWED`` the chain runs wherever it is allowed, elsewhere the
+      layers run, each planned as ``auto`` plans in a traced graph, so one graph serves
+      every batch size. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
@@ -392,8 +394,9 @@ class GroupedMLP(nn.Module):
 
     def _auto_context(self, x: torch.Tensor) -> Optional[str]:
         """Why ``auto`` runs the layers whatever the table says, or None (the cheap checks first)."""
-        if torch.compiler.is_compiling():
-            return "torch.compile or export is tracing: each layer plans as auto does in a traced graph, so one graph serves every batch size"
+        if torch.compiler.is_compiling() and x.device.type not in CHAIN_WHEREVER_ALLOWED:
+            return ("torch.compile or export is tracing, and on this device the table decides per batch: each "
+                    "layer plans as auto does in a traced graph, so one graph serves every batch size")
         if x.numel() == 0:
             return "the batch is empty"
         if torch._C._are_functorch_transforms_active():
@@ -411,9 +414,10 @@ class GroupedMLP(nn.Module):
         The same checks as ``_auto_context`` (which says why, for :meth:`plan`), in one pass
         and without building messages: this runs on every call.
         """
+        if torch.compiler.is_compiling():  # first: dynamo folds it to a constant
+            return self._traced_runs_chain(x)
         if (
-            torch.compiler.is_compiling()  # first: dynamo folds it to a constant and traces nothing else here
-            or x.numel() == 0
+            x.numel() == 0
             or torch._C._are_functorch_transforms_active()
             or (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _autocast_on())
         ):
@@ -464,6 +468,28 @@ class GroupedMLP(nn.Module):
                 self._decisions.clear()
             self._decisions[key] = chain
         return chain
+
+    def _traced_runs_chain(self, x: torch.Tensor) -> bool:
+        """``auto``'s decision while dynamo traces: the device rule, without the table.
+
+        The table is not read while tracing (its answer may depend on the batch, which a
+        graph serving every batch size does not fix). On a device type in
+        ``CHAIN_WHEREVER_ALLOWED`` eager runs the chain wherever it is allowed and the table
+        has both sums, so the traced graph runs it wherever it is allowed; elsewhere it
+        runs the layers, each planned as ``auto`` plans in a traced graph. Dynamo guards on
+        what these checks read (hooks, parameters, backends), so adding a hook recompiles.
+        """
+        if (
+            x.device.type not in CHAIN_WHEREVER_ALLOWED
+            or x.numel() == 0
+            or torch._C._are_functorch_transforms_active()
+            or _autocast_on()
+        ):
+            return False
+        for layer in self._modules["layers"]._modules.values():
+            if layer._backend != "auto":
+                return False
+        return self._chain_refusal(x) is None
 
     def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
         """Each layer's plan for the input it would get (``GroupedLinear.plan`` on stand-ins)."""
