@@ -30,12 +30,18 @@ import blockdiag
 from blockdiag.cli import _provenance
 from blockdiag.profile import device_name
 
-# (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks.
+# (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks, then
+# models with one hidden layer (one grouped layer after the shared one: no layout change
+# between grouped layers for the chain to save).
 MODELS = [
     (50, [150, 10, 10, 1], [64, 256, 1024]),
     (16, [64, 64, 64, 8], [256, 2048]),
     (8, [32, 128, 128, 4], [512]),
     (4, [256, 256, 256, 16], [256]),
+    (50, [10, 10, 10], [256, 2048]),
+    (50, [150, 10, 10], [2048]),
+    (16, [64, 64, 64], [256, 2048]),
+    (4, [64, 64, 64], [2048]),
 ]
 
 

@@ -503,7 +503,7 @@ def test_on_cpu_the_chain_runs_whatever_the_sums_say(monkeypatch, chain_spy):
     model = _model(shared=False)
     x = _x(model, 4)
     plan = model.plan(x)
-    assert plan.strategy == "fm_chain" and "never measurably slower than the layers" in plan.reason
+    assert plan.strategy == "fm_chain" and "faster than the layers, or level" in plan.reason
     assert (plan.chain_us, plan.layers_us) == (30.0, 3.0)
     model(x)
     assert len(chain_spy) == 1
@@ -530,6 +530,47 @@ def test_the_forum_model_runs_the_chain_on_cpu(batch, train):
         plan = model.plan(x)
     assert plan.strategy == "fm_chain", str(plan)
     assert plan.layers[0].backend == "dense"  # the shared first layer: one group, one plain GEMM
+
+
+def _one_grouped_layer(heads=50, block=10):
+    torch.manual_seed(0)
+    return GroupedMLP(block, [block], block, heads=heads)  # shared input: dense, then one grouped layer
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+def test_on_cpu_one_grouped_simd_layer_in_training_runs_the_layers(train, chain_spy, monkeypatch):
+    # The whole-model timings (docs/results/mlp-strategy-cpu.json): with one grouped layer the
+    # chain only swaps that layer's simd for bmm_fm, which was slower in training; in the
+    # forward it was faster or level.
+    model = _one_grouped_layer()
+    x = torch.randn(256, 10, requires_grad=train)
+    own = model.layers[1].plan(torch.empty(256, 500, requires_grad=train)).backend
+    if own in mlp_mod.CHAIN_KERNELS:
+        pytest.skip(f"the table picks {own} for the grouped layer here, not simd")
+    with torch.set_grad_enabled(train):
+        plan = model.plan(x)
+        model(x)
+    assert plan.strategy == ("layers" if train else "fm_chain"), str(plan)
+    assert bool(chain_spy) == (not train)
+    if train:
+        assert f"one grouped layer, in training, whose own backend ({own})" in plan.reason
+
+
+def test_on_cpu_one_grouped_bmm_fm_layer_in_training_runs_the_chain(monkeypatch, chain_spy):
+    # The layer's own backend is a bmm_fm variant: the chain runs the same kernel, without
+    # the layer's transposes.
+    model = _one_grouped_layer()
+    inner = GroupedLinear.plan
+
+    def plan(self, x):
+        p = inner(self, x)
+        return p if self.groups == 1 else Plan("bmm_fm_bmm", p.problem, "test", "test table", p.candidates)
+
+    monkeypatch.setattr(GroupedLinear, "plan", plan)
+    x = torch.randn(256, 10, requires_grad=True)
+    assert model.plan(x).strategy == "fm_chain"
+    model(x)
+    assert chain_spy
 
 
 def test_a_one_group_layer_is_left_out_of_both_sums(monkeypatch):

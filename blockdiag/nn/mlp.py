@@ -148,11 +148,18 @@ class MLPPlan:
 # ``bmm_fm``'s table times; ``strategy=`` forces either.
 CHAIN_ADVANTAGE = 1.1
 
-# Device types where the two strategies were timed against each other, whole models, and
-# the chain was never measurably slower (scripts/bench_mlp_strategy.py; the figures are in
-# docs/results/mlp-strategy-cpu.json and on the docs' Performance page): there ``auto`` runs
-# the chain wherever it is allowed, and the table's per-layer sums are only reported.
+# Device types where the two strategies were timed against each other, whole models
+# (scripts/bench_mlp_strategy.py; the figures are in docs/results/mlp-strategy-cpu.json and
+# on the docs' Performance page): there ``auto`` runs the chain wherever it is allowed,
+# except in the case CHAIN_KERNELS names, and the table's per-layer sums are only reported.
 CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
+
+# The backends whose product the chain's ``bmm_fm`` is (same kernel, feature-major). A model
+# with one grouped layer (a shared input and one hidden layer) has no layout change between
+# grouped layers for the chain to save; in training the chain then only replaces that
+# layer's backend by ``bmm_fm`` with torch's autograd, which the whole-model timings found
+# slower where the layer's own backend is not one of these (``simd``): there the layers run.
+CHAIN_KERNELS = frozenset({"bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"})
 
 
 class GroupedMLP(nn.Module):
@@ -194,8 +201,9 @@ class GroupedMLP(nn.Module):
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
-      the whole models were timed and the chain was never measurably slower
-      (``scripts/bench_mlp_strategy.py``), the chain runs wherever the table has both sums;
+      the whole models were timed (``scripts/bench_mlp_strategy.py``), the chain runs
+      wherever the table has both sums, except in training with one grouped layer whose own
+      backend is not in ``CHAIN_KERNELS`` (see there);
       elsewhere it runs when its estimate is at most ``CHAIN_ADVANTAGE`` times the layers':
       what the chain saves (a transposing copy and a layer call per layer, and the layout
       changes between layers) is in no table, and that factor credits it. Without a table
@@ -526,8 +534,14 @@ class GroupedMLP(nn.Module):
             missing = "fm_chain" if chain_us is None else "layers"
             return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
         if x.device.type in CHAIN_WHEREVER_ALLOWED:
-            return True, (f"allowed, and on {x.device.type} the chain was never measurably slower than the layers "
-                          "in scripts/bench_mlp_strategy.py's whole-model timings (the table's per-layer sums "
+            grouped = [plan for plan in plans if plan.problem.groups > 1]
+            if len(grouped) == 1 and grouped[0].problem.requires_grad and grouped[0].backend not in CHAIN_KERNELS:
+                return False, (f"one grouped layer, in training, whose own backend ({grouped[0].backend}) the chain "
+                               "would replace by bmm_fm: with no layout change between grouped layers to save, "
+                               "the layers were faster in scripts/bench_mlp_strategy.py's whole-model timings"), \
+                    chain_us, layers_us, plans
+            return True, (f"allowed, and on {x.device.type} the chain was faster than the layers, or level, in "
+                          "scripts/bench_mlp_strategy.py's whole-model timings (the table's per-layer sums "
                           "below miss the layout changes between layers)"), chain_us, layers_us, plans
         if chain_us <= CHAIN_ADVANTAGE * layers_us:
             ratio = chain_us / layers_us if layers_us > 0 else 0.0
