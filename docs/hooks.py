@@ -576,6 +576,21 @@ def allocator_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def _mlp_auto_sentence(rows: list[dict], sm: dict) -> str:
+    """How often ``auto`` ran the faster strategy, and its worst time over the faster where not."""
+    if "auto_ran_the_faster" not in sm:
+        return ""
+    worse = []
+    for r in rows:
+        t = r["times_us"]
+        ran = t["fm_chain" if r["auto"] == "fm_chain" else "layers"]
+        worse.append(ran / min(t["fm_chain"], t["layers"]))
+    text = f" `auto` ran the faster of the two at {sm['auto_ran_the_faster']} of {sm['points']} points"
+    if max(worse, default=1.0) > 1.0:
+        text += f"; where it did not, it took at most {max(worse):.2f}x the faster one's time"
+    return text + "."
+
+
 def mlp_strategy_markdown(name: str) -> str:
     """``scripts/bench_mlp_strategy.py --json``: the chain against the layers, whole models."""
     d = _load(name)
@@ -588,8 +603,10 @@ def mlp_strategy_markdown(name: str) -> str:
         "",
         (f"The chain was faster at {sm['chain_faster']} of {sm['points']} points; chain / layers ranged from "
          f"{sm['chain_over_layers_min']:.2f} to {sm['chain_over_layers_max']:.2f} (geometric mean "
-         f"{sm['chain_over_layers_geomean']:.2f}). The last two columns are the table's per-layer sums, "
-         "which `auto` no longer ranks the strategies by on CPU."),
+         f"{sm['chain_over_layers_geomean']:.2f})."
+         + _mlp_auto_sentence(d["rows"], sm)
+         + " The last two columns are the table's per-layer sums, which `auto` no longer ranks the strategies "
+         "by on CPU."),
         "",
         "| heads | sizes | batch | mode | chain | layers | chain / layers | `auto` runs | layers' backends | table: chain / layers |",
         "|---|---|---|---|---|---|---|---|---|---|",
