@@ -119,13 +119,18 @@ def test_forward_opcheck(name, dtype, grad, bias):
     torch.library.opcheck(op, args, test_utils=FULL_UTILS if (dtype, grad, bias) in AOT_CASES else CHEAP_UTILS)
     y = op(*args)
     assert y.shape == (SHAPE[0], SHAPE[1] * SHAPE[3]) and y.dtype == dtype
-    _close(y.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"{name} forward op")
+    _check_against_reference(y, x, w, b, dtype, grad, f"{name} forward op")
+
+
+def _check_against_reference(y, x, w, b, dtype, grad, what):
+    """``y`` and, with ``grad``, the gradients of input, weight and bias against the float64 loop."""
+    _close(y.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=what)
     if grad:
         gy = torch.randn_like(y)
         got = torch.autograd.grad((y * gy).sum(), [t for t in (x, w, b) if t is not None])
         _, *want = _ref_grads(x, w, b, gy)
         for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
-            _close(g_, w_, dtype, k=SHAPE[0], what=f"{name} op gradient of {label}")
+            _close(g_, w_, dtype, k=SHAPE[0], what=f"{what}: gradient of {label}")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -156,13 +161,7 @@ def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
         y = auto_op.INLINE(x, w, b, grad)
     ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
     assert ("blockdiag::auto" in ran) == (chosen in ("loop", "bmm_fm_loop")), sorted(ran)
-    _close(y.detach(), reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"auto_inline ({chosen})")
-    if grad:
-        gy = torch.randn_like(y)
-        got = torch.autograd.grad((y * gy).sum(), [t for t in (x, w, b) if t is not None])
-        _, *want = _ref_grads(x, w, b, gy)
-        for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
-            _close(g_, w_, dtype, k=SHAPE[0], what=f"auto_inline ({chosen}) gradient of {label}")
+    _check_against_reference(y, x, w, b, dtype, grad, f"auto_inline ({chosen})")
 
 
 NEEDS = [
