@@ -354,6 +354,33 @@ def test_compiled_auto_inlines_a_torch_ops_choice_at_a_static_batch(batch_varyin
             assert not opaque and "aten.convolution.default" in ops, sorted(ops)
 
 
+def test_exported_auto_decomposes_by_batch_and_round_trips(tmp_path):
+    # An exported program keeps auto_inline (a composite custom op) until its decompositions
+    # run: then a static batch plans (the chosen backend's ops, or blockdiag::auto for a C or
+    # loop backend) and a dynamic one records blockdiag::auto. Each runs, saved and loaded too.
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    x = torch.randn(N, G * I)
+    want = reference_loop(x.double(), w.double(), b.double())
+    static = torch.export.export(layer, (x,))
+    dynamic = torch.export.export(layer, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+    for ep in (static, dynamic):
+        ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert "blockdiag.auto_inline.default" in ops, sorted(ops)
+    decomposed = dynamic.run_decompositions()
+    ops = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert "blockdiag.auto.default" in ops and "blockdiag.auto_inline.default" not in ops, sorted(ops)
+    x9 = torch.randn(9, G * I)
+    _close(decomposed.module()(x9), reference_loop(x9.double(), w.double(), b.double()), torch.float32, what="dynamic")
+    decomposed = static.run_decompositions()
+    ops = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert "blockdiag.auto_inline.default" not in ops, sorted(ops)
+    _close(decomposed.module()(x), want, torch.float32, what="static, decomposed")
+    path = tmp_path / "layer.pt2"
+    torch.export.save(static, path)
+    _close(torch.export.load(path).module()(x), want, torch.float32, what="static, saved and loaded")
+
+
 def test_static_graph_follows_a_settings_change(batch_varying_profile):
     from _profiles import entry, point, write
 
