@@ -602,6 +602,25 @@ for name in backends:
     except blockdiag.BlockDiagError as e:
         out = dict(result="refused", message=str(e))
     report(name=name, **out)
+# Compiled auto with DTensor parameters: the graph keeps blockdiag::auto (its sharding rules),
+# not the chosen backend's torch ops on global DTensors.
+print("START auto compiled", flush=True)
+layer = blockdiag.GroupedLinear(G * I, G * O, G)
+w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+layer.weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+layer.bias = torch.nn.Parameter(distribute_tensor(b, mesh, [Shard(0)]))
+seen = []
+def backend(gm, inputs):
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from functorch.compile import make_boxed_func
+    def fw(g, _):
+        seen.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        return make_boxed_func(g.forward)
+    return aot_module_simplified(gm, inputs, fw_compiler=fw, bw_compiler=lambda g, _: make_boxed_func(g.forward))
+y = torch.compile(layer, backend=backend)(distribute_tensor(x, mesh, [Replicate()]))
+ref = reference_loop(x.double(), w.double(), b.double())
+report(name="auto compiled", result="ok" if "blockdiag.auto.default" in seen else f"graph ops: {sorted(set(seen))}",
+       forward=max_err(full(y), ref), shape=list(y.shape))
 dist.destroy_process_group()
 """
 
@@ -631,8 +650,8 @@ def test_dtensor_world_size_1():
         pytest.skip("torch.distributed with gloo is not available")
     backends = [n for n in DTENSOR_BACKENDS if n == "auto" or not get(n).unavailable_reason()]
     code = _DTENSOR.replace("BACKENDS, PORT", f"{backends!r}, {_free_port()}")
-    outs = _run_child(code, results=len(backends))
-    assert [o["name"] for o in outs] == backends
+    outs = _run_child(code, results=len(backends) + 1)
+    assert [o["name"] for o in outs] == [*backends, "auto compiled"]
     for out in outs:
         if out["result"] == "ok":
             assert out["shape"] == [N, G * O], out

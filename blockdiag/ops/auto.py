@@ -19,7 +19,8 @@ plans there, with eager's cache, and records the chosen backend's own torch ops 
 backend is written in them, backward included (``OpEntry.inlinable``: ``bmm_fm``, ``bmm``,
 ``bmm_fm_bmm``, ``conv``, ``dense``), so inductor sees and fuses them as it fuses
 ``nn.Linear``; a backend that is C, or whose backward writes into slices (``loop``,
-``bmm_fm_loop``), is recorded as ``blockdiag::auto``. Either way the graph runs eager
+``bmm_fm_loop``), or whose operands are a tensor subclass (DTensor, which the op's sharding
+rules handle), is recorded as ``blockdiag::auto``. Either way the graph runs eager
 ``auto``'s choice. Dynamo guards the graph on :data:`blockdiag.settings.generation` (see
 ``nn/linear.py``), so a settings, profile or registry change recompiles it and the choice
 follows.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd import forward_ad as _fwad
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import settings as _settings
 from ..backends import Problem, get
@@ -181,8 +183,10 @@ def _vmap(info, in_dims, x, weight, bias, train):
 
 def _inline(x, weight, bias, train):
     # Python ints are concrete batches; torch.SymInt is a graph serving every batch size
-    # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int).
-    if isinstance(x.shape[0], torch.SymInt):
+    # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int). A tensor
+    # subclass (DTensor) keeps the op, whose sharding rules run the local kernels without
+    # gathering and refuse what they cannot shard; the chooser would see global shapes here.
+    if isinstance(x.shape[0], torch.SymInt) or any(map(_is_subclass, (x, weight, bias))):
         return FORWARD(x, weight, bias, train)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is None or not entry.inlinable:
@@ -190,6 +194,12 @@ def _inline(x, weight, bias, train):
     # The eager route: the forward's torch ops, inside the backend's autograd Function where
     # its backward is its own kernels, so the traced backward is the one eager runs.
     return entry.eager(x, weight, bias)
+
+
+def _is_subclass(t) -> bool:
+    # FakeTensor and FunctionalTensor (what tracing passes) are not traceable wrapper
+    # subclasses; DTensor is.
+    return t is not None and is_traceable_wrapper_subclass(t)
 
 
 LIB.impl("auto", _impl, "CompositeExplicitAutograd")
