@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import settings as _settings
 from .._checks import check, check_operand_kinds
@@ -92,6 +93,15 @@ def _autocast_on() -> bool:
     if _ANY_AUTOCAST is not None:
         return _ANY_AUTOCAST()
     return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if torch.amp.is_autocast_available(d))
+
+
+def _plain(t: torch.Tensor, traced: bool) -> bool:
+    """A plain tensor parameter, not a subclass such as DTensor (FSDP2's parameters).
+
+    While tracing, parameters may be the tracer's own tensors (``torch.export`` passes
+    FakeTensors): those are plain, a traceable wrapper subclass (DTensor) is not.
+    """
+    return type(t) in _PLAIN or (traced and not is_traceable_wrapper_subclass(t))
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -351,7 +361,7 @@ class GroupedMLP(nn.Module):
             if self._auto_runs_chain(x):
                 return self._forward_feature_major(x)
         elif strategy == "fm_chain":
-            why = self._chain_refusal(x)
+            why = self._chain_refusal(x, traced=torch.compiler.is_compiling())
             check(type(self).__name__, why is None, f"strategy='fm_chain' cannot run: {why}; use strategy='layers' or 'auto'")
             return self._forward_feature_major(x)
         acts = tuple(self._modules["activations"]._modules.values())
@@ -364,7 +374,7 @@ class GroupedMLP(nn.Module):
 
     # ------------------------------------------------------------ choosing the strategy
 
-    def _chain_refusal(self, x: torch.Tensor) -> Optional[str]:
+    def _chain_refusal(self, x: torch.Tensor, traced: bool = False) -> Optional[str]:
         """Why the chain would skip or break something here (None: it runs as the layers would).
 
         Checked on every call: hooks and parametrizations can be added at any time.
@@ -386,14 +396,14 @@ class GroupedMLP(nn.Module):
             if "parametrizations" in layer._modules:
                 return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and the chain reads the raw parameters"
             w = params.get("weight")
-            if w is None or type(w) not in _PLAIN:
+            if w is None or not _plain(w, traced):
                 return f"layers[{k}].weight is not a plain tensor parameter (a DTensor, another subclass, or rewritten)"
             if w.dtype != dt or (k == 0 and w.device != x.device):
                 return f"layers[{k}].weight is {w.dtype} on {w.device} but the input is {dt} on {x.device}"
             if "bias" not in params:
                 return f"layers[{k}].bias is not a registered parameter (rewritten)"
             b = params["bias"]
-            if b is not None and (type(b) not in _PLAIN or b.dtype != dt):
+            if b is not None and (not _plain(b, traced) or b.dtype != dt):
                 return f"layers[{k}].bias is not a plain tensor parameter of the input's dtype"
         for k, act in enumerate(self._modules["activations"]._modules.values()):
             if _hooked(act):
@@ -497,7 +507,7 @@ class GroupedMLP(nn.Module):
         for layer in self._modules["layers"]._modules.values():
             if layer._backend != "auto":
                 return False
-        return self._chain_refusal(x) is None
+        return self._chain_refusal(x, traced=True) is None
 
     def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
         """Each layer's plan for the input it would get (``GroupedLinear.plan`` on stand-ins)."""
