@@ -538,7 +538,7 @@ def _one_grouped_layer(heads=50, block=10):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
-def test_on_cpu_one_grouped_simd_layer_in_training_runs_the_layers(train, chain_spy, monkeypatch):
+def test_on_cpu_one_grouped_simd_layer_in_training_runs_the_layers(train, chain_spy):
     # The whole-model timings (docs/results/mlp-strategy-cpu.json): with one grouped layer the
     # chain only swaps that layer's simd for bmm_fm, which was slower in training; in the
     # forward it was faster or level.
