@@ -74,7 +74,7 @@ from .settings import epoch
 
 __all__ = [
     "Plan", "Candidate", "choose", "candidates", "exclusions", "settings_exclusion", "builtin_plan", "plan_for", "cached_plan", "epoch", "FALLBACK_ORDER",
-    "NEIGHBOURS", "nearest_measurements", "blended_times",
+    "NEIGHBOURS", "nearest_measurements", "blended_times", "plan_state",
 ]
 
 # Used where no measured table covers the problem, or for backends it did not measure: per
@@ -370,6 +370,48 @@ def exclusions(
 # when the first plan of a new generation is stored (and all of them past 4096 entries).
 _cache: dict = {}
 _cache_generation = -1
+
+
+def plan_state() -> str:
+    """A digest of everything ``auto``'s plans depend on besides the problem.
+
+    Graphs traced with a static batch plan while tracing (``blockdiag::auto_inline``), and
+    torch keeps compiled graphs in caches of its own (AOTAutograd's and inductor's, on disk
+    across processes) keyed by the graph it was given, not by what the plan read. So that
+    graph carries this digest as an argument: another settings value, profile file, thread
+    count, registry or blockdiag version gives another graph, never a cached one planned
+    under the old state. The digest is stable across processes where all of those agree,
+    so those caches still serve a new process.
+
+    >>> plan_state() == plan_state()
+    True
+
+    Returns:
+        a short hexadecimal string.
+    """
+    import hashlib
+    import os
+
+    import torch
+
+    from . import __version__
+
+    def stat(path) -> tuple:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return (str(path), None)
+        return (str(path), st.st_mtime_ns, st.st_size)
+
+    registry = []
+    for name in names():
+        fn = get(name, auto_valid=False).fn
+        fn = getattr(fn, "forward", fn)  # an OpEntry: its kernel names the code
+        registry.append((name, getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__qualname__)))
+    path = _config.resolve("profile")[0] or _profile.default_profile_path()
+    parts = (__version__, torch.get_num_threads(), repr(_config.get_settings()), stat(path),
+             stat(_profile.DEFAULTS_PATH), tuple(registry))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 def cached_plan(backend: str, problem: Problem, fn_name: str = "GroupedLinear") -> Plan:

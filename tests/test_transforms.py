@@ -40,6 +40,7 @@ import warnings
 import pytest
 import torch
 
+import blockdiag
 from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
@@ -404,6 +405,64 @@ def test_static_graph_follows_a_settings_change(batch_varying_profile):
     assert len(seen) == 2, f"{len(seen)} forward graphs: the settings change did not recompile"
     assert {"aten.bmm.default", "aten.baddbmm.default"} & seen[-1], sorted(seen[-1])
     assert "aten.convolution.default" not in seen[-1], sorted(seen[-1])
+
+
+def _aten_ops_run(fn) -> set[str]:
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::")}
+
+
+def test_inductor_caches_do_not_bring_back_an_old_plan(batch_varying_profile):
+    # torch keeps compiled graphs in caches keyed by the graph dynamo gives it (AOTAutograd's
+    # and inductor's, on disk too). The recompile after a settings change gives the same graph
+    # but for the plan state it carries; without it the cache hands back the old plan's kernels.
+    from _profiles import entry, point, write
+
+    from blockdiag import profile
+    from blockdiag.dispatch import plan_state
+
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
+    before = plan_state()
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
+        compiled = torch.compile(layer, dynamic=False)
+        ran = _aten_ops_run(lambda: _run_module(compiled, (layer.weight, layer.bias), x, gy))
+        assert "aten::convolution" in ran, sorted(ran)
+        times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+        times["bmm"] = 1.0
+        write(profile.default_profile_path(),
+              entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I, block_out=O, **times)]))
+        assert layer.plan(x.requires_grad_()).backend == "bmm" and plan_state() != before
+        got = {}
+        ran = _aten_ops_run(lambda: got.update(_run_module(compiled, (layer.weight, layer.bias), x, gy)))
+    assert "aten::convolution" not in ran and "aten::convolution_backward" not in ran, sorted(ran)
+    assert {"aten::bmm", "aten::baddbmm"} & ran, sorted(ran)
+    ref = _layer("bmm", w, b)
+    _check(got, _run_module(ref, (ref.weight, ref.bias), x, gy), torch.float32, "after the profile change")
+
+
+def test_plan_state_moves_with_what_plans_read(monkeypatch):
+    from blockdiag.dispatch import plan_state
+
+    base = plan_state()
+    assert plan_state() == base
+    with blockdiag.config(dense_max_groups=blockdiag.get_settings().dense_max_groups + 1):
+        assert plan_state() != base
+    assert plan_state() == base
+    with monkeypatch.context() as env:
+        env.setenv("BLOCKDIAG_PROFILE", "/nonexistent/elsewhere.json")
+        assert plan_state() != base
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert plan_state() != base
+    finally:
+        torch.set_num_threads(threads)
+    assert plan_state() == base
 
 
 # ----------------------------------------------------------------------- GroupedMLP hooks

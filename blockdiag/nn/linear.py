@@ -15,7 +15,7 @@ from ..backends import Problem, get
 from .. import profile as _profile
 from .. import settings as _settings
 from ..backends._registry import _REGISTRY
-from ..dispatch import Plan, plan_for
+from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
 from ..ops import _sharding
 from ..ops.auto import auto as _auto_op
@@ -197,6 +197,12 @@ def _compile_guard(generation: int) -> None:
         raise AssertionError(generation)
 
 
+@torch._dynamo.assume_constant_result
+def _traced_plan_state() -> str:
+    """:func:`blockdiag.dispatch.plan_state`, which dynamo calls once and records as a constant."""
+    return plan_state()
+
+
 def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product through the registered ops: traced graphs, transforms, modes and subclasses.
 
@@ -219,8 +225,10 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         if torch.compiler.is_compiling():
             # Dynamo guards what it reads: a graph that planned when traced (auto_inline at a
             # concrete batch) recompiles when the generation moves (settings, profile, registry).
+            # The new graph must also differ from the old one, or torch's compile caches (keyed
+            # by the graph) hand back the old plan: it carries the plan state's digest.
             _compile_guard(_settings.generation)
-            y = _auto_inline_op(x2, weight, bias, train)
+            y = _auto_inline_op(x2, weight, bias, train, _traced_plan_state())
         else:
             y = _auto_op(x2, weight, bias, train)
     else:

@@ -23,7 +23,10 @@ backend is written in them, backward included (``OpEntry.inlinable``: ``bmm_fm``
 rules handle), is recorded as ``blockdiag::auto``. Either way the graph runs eager
 ``auto``'s choice. Dynamo guards the graph on :data:`blockdiag.settings.generation` (see
 ``nn/linear.py``), so a settings, profile or registry change recompiles it and the choice
-follows.
+follows. The recompiled graph must also differ from the old one: torch keeps compiled graphs
+in caches keyed by the graph (AOTAutograd's and inductor's, on disk across processes), which
+would hand back the old plan. So the op takes :func:`blockdiag.dispatch.plan_state`, a digest
+of what plans read besides the problem, as its ``state`` argument.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ __all__ = ["auto", "auto_inline", "choice"]
 
 LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 LIB.define("auto_backward" + BACKWARD_SCHEMA)
-LIB.define("auto_inline(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
+LIB.define("auto_inline(Tensor x, Tensor weight, Tensor? bias, bool train, str state=\"\") -> Tensor")
 FORWARD = torch.ops.blockdiag.auto.default
 BACKWARD = torch.ops.blockdiag.auto_backward.default
 INLINE = torch.ops.blockdiag.auto_inline.default
@@ -181,7 +184,9 @@ def _vmap(info, in_dims, x, weight, bias, train):
     return _vmap_rule(lambda a, b, c: FORWARD(a, b, c, train))(info, in_dims[:3], x, weight, bias)
 
 
-def _inline(x, weight, bias, train):
+def _inline(x, weight, bias, train, state=""):
+    # ``state`` (blockdiag.dispatch.plan_state) is not read: it is in the graph so that torch's
+    # compile caches, keyed by the graph, tell graphs planned under other settings apart.
     # Python ints are concrete batches; torch.SymInt is a graph serving every batch size
     # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int). A tensor
     # subclass (DTensor) keeps the op, whose sharding rules run the local kernels without
@@ -223,11 +228,15 @@ def _register_flops() -> None:
 _register_flops()
 
 
-def auto_inline(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
-    """The ``auto_inline`` op on a 2-D ``x``: what traced graphs record (see the module's note)."""
+def auto_inline(x: torch.Tensor, weight: torch.Tensor, bias, train: bool, state: str = "") -> torch.Tensor:
+    """The ``auto_inline`` op on a 2-D ``x``: what traced graphs record (see the module's note).
+
+    ``state`` is :func:`blockdiag.dispatch.plan_state` when tracing: it only tells graphs
+    planned under other settings apart.
+    """
     if torch._C._are_functorch_transforms_active():
         return _Functorch.apply(x, weight, bias, train)
-    return INLINE(x, weight, bias, train)
+    return INLINE(x, weight, bias, train, state)
 
 
 def auto(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
