@@ -464,6 +464,18 @@ def test_plan_state_moves_with_what_plans_read(monkeypatch):
         torch.set_num_threads(threads)
     assert plan_state() == base
 
+    def einsum(x, weight, bias):
+        g, o, i = weight.shape
+        y = torch.einsum("ngi,goi->ngo", x.view(-1, g, i), weight).reshape(-1, g * o)
+        return y if bias is None else y + bias
+
+    blockdiag.register_backend(blockdiag.Backend("test_plan_state", einsum, dtypes={"cpu": frozenset({torch.float32})}))
+    try:
+        assert plan_state() != base
+    finally:
+        blockdiag.unregister_backend("test_plan_state")
+    assert plan_state() == base
+
 
 # ----------------------------------------------------------------------- GroupedMLP hooks
 
