@@ -445,6 +445,18 @@ def test_inductor_caches_do_not_bring_back_an_old_plan(batch_varying_profile):
     _check(got, _run_module(ref, (ref.weight, ref.bias), x, gy), torch.float32, "after the profile change")
 
 
+def test_plan_state_is_marked_as_assume_constant_result_marks():
+    # nn/linear.py marks its reader by hand (the decorator would import torch._dynamo).
+    from blockdiag.nn.linear import _traced_plan_state
+
+    def probe():
+        return ""
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and set(vars(probe)) == {"_dynamo_marked_constant"}, vars(probe)
+    assert vars(_traced_plan_state) == vars(probe)
+
+
 def test_plan_state_moves_with_what_plans_read(monkeypatch):
     from blockdiag.dispatch import plan_state
 

@@ -197,10 +197,15 @@ def _compile_guard(generation: int) -> None:
         raise AssertionError(generation)
 
 
-@torch._dynamo.assume_constant_result
 def _traced_plan_state() -> str:
     """:func:`blockdiag.dispatch.plan_state`, which dynamo calls once and records as a constant."""
     return plan_state()
+
+
+# What torch.compiler.assume_constant_result sets (all it does), set here without it: the
+# decorator imports torch._dynamo, which loads DTensor, and importing blockdiag must not.
+# tests/test_transforms.py checks that the decorator still does just this.
+_traced_plan_state._dynamo_marked_constant = True
 
 
 def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
