@@ -445,6 +445,53 @@ def test_inductor_caches_do_not_bring_back_an_old_plan(batch_varying_profile):
     _check(got, _run_module(ref, (ref.weight, ref.bias), x, gy), torch.float32, "after the profile change")
 
 
+_OTHER_PROCESS = """
+import json, sys
+import torch
+import blockdiag
+from blockdiag import profile
+from blockdiag.backends import get
+from torch.profiler import profile as torch_profile
+sys.path.insert(0, TESTS)
+from _profiles import entry, point, write
+
+G, I, O, N = 3, 4, 2, 6
+times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+times[WINNER] = 1.0
+write(profile.default_profile_path(), entry([point(mode="train", batch=N, groups=G, block_in=I, block_out=O, **times)]))
+torch.manual_seed(0)
+layer = blockdiag.GroupedLinear(G * I, G * O, G)
+x = torch.randn(N, G * I, requires_grad=True)
+compiled = torch.compile(layer, dynamic=False)
+compiled(x).sum().backward()
+with torch_profile() as prof:
+    compiled(x).sum().backward()
+ops = sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::")})
+print("RESULT " + json.dumps({"plan": layer.plan(x).backend, "ops": ops}), flush=True)
+"""
+
+
+def test_another_process_with_another_profile_is_not_served_the_old_plan(tmp_path):
+    # One on-disk compile cache, two processes whose profiles pick different backends at the
+    # same shape (what a second training run after `blockdiag tune` is): the second must not
+    # be handed the first one's compiled graph.
+    cache = tmp_path / "inductor-cache"
+    seen = {}
+    for winner in ("conv", "bmm"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+               "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "BLOCKDIAG_PROFILE": str(tmp_path / f"{winner}.json")}
+        code = _OTHER_PROCESS.replace("TESTS", repr(os.path.dirname(__file__))).replace(
+            "CANDIDATES", repr(CANDIDATES)).replace("WINNER", repr(winner))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+        seen[winner] = json.loads(line[len("RESULT "):])
+        assert seen[winner]["plan"] == winner, seen
+    assert "aten::convolution" in seen["conv"]["ops"], seen["conv"]
+    assert "aten::convolution" not in seen["bmm"]["ops"], seen["bmm"]
+    assert {"aten::bmm", "aten::baddbmm"} & set(seen["bmm"]["ops"]), seen["bmm"]
+
+
 def test_plan_state_is_marked_as_assume_constant_result_marks():
     # nn/linear.py marks its reader by hand (the decorator would import torch._dynamo).
     from blockdiag.nn.linear import _traced_plan_state
