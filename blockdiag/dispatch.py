@@ -62,9 +62,13 @@ read: most of what ``auto`` costs over a named backend) and one dictionary looku
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+import torch
 
 from . import settings as _config
 from . import profile as _profile
@@ -389,12 +393,7 @@ def plan_state() -> str:
     Returns:
         a short hexadecimal string.
     """
-    import hashlib
-    import os
-
-    import torch
-
-    from . import __version__
+    from . import __version__  # here: the package imports this module before it is complete
 
     def stat(path) -> tuple:
         try:

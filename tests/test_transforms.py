@@ -382,11 +382,19 @@ def test_exported_auto_decomposes_by_batch_and_round_trips(tmp_path):
     _close(torch.export.load(path).module()(x), want, torch.float32, what="static, saved and loaded")
 
 
-def test_static_graph_follows_a_settings_change(batch_varying_profile):
+def _write_winner(winner, batch):
+    """Write the default profile with ``winner`` fastest at ``batch`` (the module's G, I, O), train."""
     from _profiles import entry, point, write
 
     from blockdiag import profile
 
+    times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+    times[winner] = 1.0
+    write(profile.default_profile_path(),
+          entry([point(mode="train", batch=batch, groups=G, block_in=I, block_out=O, **times)]))
+
+
+def test_static_graph_follows_a_settings_change(batch_varying_profile):
     w, b = _params(torch.float32)
     layer = _layer("auto", w, b)
     backend, seen = _graph_ops()
@@ -396,10 +404,7 @@ def test_static_graph_follows_a_settings_change(batch_varying_profile):
     assert "aten.convolution.default" in seen[-1], sorted(seen[-1])
     # The same shape's winner becomes bmm: the profile is rewritten (clear_cache moves the
     # generation the graph is guarded on), and the compiled layer must follow eager auto.
-    times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
-    times["bmm"] = 1.0
-    write(profile.default_profile_path(),
-          entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I, block_out=O, **times)]))
+    _write_winner("bmm", INLINED_AT)
     assert layer.plan(x.requires_grad_()).backend == "bmm"
     _run_module(compiled, (layer.weight, layer.bias), x, gy)
     assert len(seen) == 2, f"{len(seen)} forward graphs: the settings change did not recompile"
@@ -419,9 +424,6 @@ def test_inductor_caches_do_not_bring_back_an_old_plan(batch_varying_profile):
     # torch keeps compiled graphs in caches keyed by the graph dynamo gives it (AOTAutograd's
     # and inductor's, on disk too). The recompile after a settings change gives the same graph
     # but for the plan state it carries; without it the cache hands back the old plan's kernels.
-    from _profiles import entry, point, write
-
-    from blockdiag import profile
     from blockdiag.dispatch import plan_state
 
     w, b = _params(torch.float32)
@@ -432,10 +434,7 @@ def test_inductor_caches_do_not_bring_back_an_old_plan(batch_varying_profile):
         compiled = torch.compile(layer, dynamic=False)
         ran = _aten_ops_run(lambda: _run_module(compiled, (layer.weight, layer.bias), x, gy))
         assert "aten::convolution" in ran, sorted(ran)
-        times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
-        times["bmm"] = 1.0
-        write(profile.default_profile_path(),
-              entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I, block_out=O, **times)]))
+        _write_winner("bmm", INLINED_AT)
         assert layer.plan(x.requires_grad_()).backend == "bmm" and plan_state() != before
         got = {}
         ran = _aten_ops_run(lambda: got.update(_run_module(compiled, (layer.weight, layer.bias), x, gy)))
