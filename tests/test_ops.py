@@ -164,6 +164,59 @@ def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
     _check_against_reference(y, x, w, b, dtype, grad, f"auto_inline ({chosen})")
 
 
+# Where a feature-major backend's rows are wide enough for a strided write to pay
+# (``ops._define.rows_pay``: 64 bytes), the auto op writes its row-major result and input
+# gradient directly, and a training graph records the op instead of the transposed view.
+ROWS_SHAPES = {torch.float32: (5, 3, 16, 16), torch.float64: (5, 3, 8, 8)}
+FEATURE_MAJOR = ["bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"]
+
+
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FEATURE_MAJOR)
+def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias):
+    from blockdiag.ops._define import _ENTRIES, generic_backward, rows_pay
+
+    entry = _ENTRIES[name]
+    n, g, i, o = ROWS_SHAPES[dtype]
+    assert rows_pay(o, dtype) and rows_pay(i, dtype) and not rows_pay(o // 2, dtype)
+    for rows in (n, 1, 0):
+        x, w, b = _operands((rows, g, i, o), dtype, False, bias)
+        y = entry.rows(x, w, b)
+        assert y.is_contiguous() and y.shape == (rows, g * o), (y.shape, y.stride())
+        _close(y, reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"{name} rows, {rows} rows")
+        if entry.rows_input_grad is not None:
+            gy = torch.randn(rows, g * o, dtype=dtype)
+            gx = entry.rows_input_grad(gy, w)
+            assert gx.is_contiguous() and gx.shape == x.shape
+            _close(gx, generic_backward(gy, x, w, bias, True, False, False)[0], dtype, k=o, what=f"{name} rows input gradient")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("chosen", FEATURE_MAJOR)
+def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, grad, dtype, monkeypatch):
+    from blockdiag.ops import auto as auto_op
+
+    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
+    shape = ROWS_SHAPES[dtype]
+    x, w, b = _operands(shape, dtype, grad, True)
+    torch.library.opcheck(auto_op.INLINE, (x, w, b, grad), test_utils=FULL_UTILS)
+    with torch.profiler.profile() as prof:
+        y = auto_op.INLINE(x, w, b, grad)
+    ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
+    # In training the op runs (its result row-major, so a compiled backward gets the caller's
+    # gradient as it is); without autograd the inlined view is kept (no gradient to copy).
+    assert ("blockdiag::auto" in ran) == (grad or chosen == "bmm_fm_loop"), sorted(ran)
+    assert y.is_contiguous() == grad or chosen == "bmm_fm_loop", y.stride()
+    _check_against_reference(y, x, w, b, dtype, grad, f"auto_inline ({chosen}, rows)")
+    if grad:
+        with torch.profiler.profile() as prof:
+            y = auto_op.INLINE(x, w, b, grad)
+            y.backward(torch.randn_like(y))
+        assert "blockdiag::auto_backward" in {e.name for e in prof.events()}
+
+
 NEEDS = [
     pytest.param(True, True, True, id="input-weight-bias"),
     pytest.param(True, False, False, id="input"),

@@ -51,6 +51,35 @@ def bmm_fm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return yt.permute(2, 0, 1).reshape(n, g * o)
 
 
+def bmm_fm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``bmm_fm``'s product written straight into a new row-major ``[N, G*out]``.
+
+    The batched GEMM's ``out=`` is the ``[G, out, N]`` strided view of the new tensor (each
+    group's block is a transposed matrix with leading dimension ``G*out``), so the result is
+    row-major without the transposing copy ``.contiguous()`` would make of ``bmm_fm``'s view.
+    What a caller that must return a contiguous result runs (``OpEntry.rows``).
+    """
+    g, o, i = weight.shape
+    n = x.shape[0]
+    y = x.new_empty(n, g * o)
+    xt = x.view(n, g, i).permute(1, 2, 0)
+    yt = y.view(n, g, o).permute(1, 2, 0)
+    if bias is None:
+        torch.bmm(weight, xt, out=yt)
+    else:
+        torch.baddbmm(bias.view(g, o, 1), weight, xt, out=yt)
+    return y
+
+
+def rows_input_grad(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The input gradient ``gy_g @ W_g`` written straight into a new row-major ``[N, G*in]``."""
+    g, o, i = weight.shape
+    n = gy.shape[0]
+    gx = gy.new_empty(n, g * i)
+    torch.bmm(gy.reshape(n, g, o).transpose(0, 1), weight, out=gx.view(n, g, i).transpose(0, 1))
+    return gx
+
+
 def _fm_backward(gy, x, weight, has_bias, need_x, need_w):
     """What autograd derives from ``bmm_fm``'s forward: the products in ``[G, ., N]`` order."""
     g, o, i = weight.shape
@@ -69,7 +98,9 @@ def _fm_backward(gy, x, weight, has_bias, need_x, need_w):
 # bmm's backward is the batched-matmul formula of ``ops.generic_backward`` (backward=None):
 # its weight gradient ``gy_g^T @ x_g`` comes out as ``[G, out, in]``, the weight's own layout.
 bmm = define(OpEntry("bmm", _bmm_forward, traceable=True))
-bmm_fm = define(OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True, eager_autograd=True))
+bmm_fm = define(
+    OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True, eager_autograd=True, rows=bmm_fm_rows, rows_input_grad=rows_input_grad)
+)
 
 
 BACKEND = register(

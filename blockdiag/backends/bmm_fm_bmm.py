@@ -24,10 +24,10 @@ import torch
 
 from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
-from .bmm import bmm_fm_forward
+from .bmm import bmm_fm_forward, bmm_fm_rows, rows_input_grad
 
 # bmm's backward is ``ops.generic_backward`` (backward=None).
-bmm_fm_bmm = define(OpEntry("bmm_fm_bmm", bmm_fm_forward, traceable=True))
+bmm_fm_bmm = define(OpEntry("bmm_fm_bmm", bmm_fm_forward, traceable=True, rows=bmm_fm_rows, rows_input_grad=rows_input_grad))
 
 
 BACKEND = register(

@@ -15,10 +15,10 @@ import torch
 
 from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
-from .bmm import bmm_fm_forward
+from .bmm import bmm_fm_forward, bmm_fm_rows
 from .loop import _backward
 
-bmm_fm_loop = define(OpEntry("bmm_fm_loop", bmm_fm_forward, _backward, traceable=True))
+bmm_fm_loop = define(OpEntry("bmm_fm_loop", bmm_fm_forward, _backward, traceable=True, rows=bmm_fm_rows))
 
 
 BACKEND = register(

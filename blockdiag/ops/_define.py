@@ -120,6 +120,20 @@ def fake_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return x.new_empty(x.shape[0], g * o)
 
 
+# A row-major result written through a strided ``out=`` view (``OpEntry.rows``) takes each
+# group's rows as runs of ``out`` (or ``in``) elements, ``G*out`` apart. A run shorter than a
+# cache line writes lines partly, and the product written contiguous then copied is faster:
+# scripts/bench_rows.py times the two, and on the CPUs measured the strided write lost at
+# 10-element float32 runs and won from 16 at batches of 256 and more (at 32 rows both are
+# small and within noise of each other).
+ROWS_MIN_RUN_BYTES = 64
+
+
+def rows_pay(run: int, dtype: torch.dtype) -> bool:
+    """Whether writing runs of ``run`` elements of ``dtype`` through a strided view pays (see above)."""
+    return run * dtype.itemsize >= ROWS_MIN_RUN_BYTES
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -146,6 +160,13 @@ class OpEntry:
             as large as a small product); the ops still use ``backward``.
         traceable_backward: ``backward`` is torch ops without ``out=`` or in-place writes,
             so a compiler can take it as it is (see :attr:`inlinable`).
+        rows: for a backend whose ``forward`` returns a transposed view of ``[N, G*out]``,
+            the same product written straight into a new row-major ``[N, G*out]``: what a
+            caller that must return a contiguous result runs where :func:`rows_pay` says
+            (the ``auto`` op), instead of the forward and a transposing copy.
+        rows_input_grad: ``rows_input_grad(gy, weight)``, the input gradient written straight
+            into a new row-major ``[N, G*in]``, where the backward forms it in another order
+            and copies it; used with ``rows``.
     """
 
     name: str
@@ -157,6 +178,8 @@ class OpEntry:
     check: Optional[Callable] = None
     eager_autograd: bool = False
     traceable_backward: bool = False
+    rows: Optional[Forward] = None
+    rows_input_grad: Optional[Callable] = None
 
     @property
     def inlinable(self) -> bool:

@@ -50,6 +50,7 @@ from ._define import (
     differentiable_backward_needed,
     fake_backward,
     generic_backward,
+    rows_pay,
 )
 
 __all__ = ["auto", "auto_inline", "choice"]
@@ -95,6 +96,9 @@ def _forward_kernel(name, x, weight, bias):
             from .._errors import BlockDiagError
 
             raise BlockDiagError(f"{name}: {why}")
+    if entry.rows is not None and rows_pay(weight.shape[1], x.dtype):
+        # The op's result is contiguous: a feature-major backend writes it directly.
+        return entry.rows(x, weight, bias)
     return entry.forward(x, weight, bias)
 
 
@@ -112,6 +116,11 @@ def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
     entry = _ENTRIES.get(name)
     if entry is None:
         gx, gw, gb = generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
+    elif need_x and entry.rows_input_grad is not None and rows_pay(weight.shape[2], gy.dtype):
+        # The backward of a feature-major backend forms the input gradient in another order
+        # and copies it into rows; the same product is written into them directly instead.
+        gx = entry.rows_input_grad(gy, weight)
+        _, gw, gb = entry.run_backward(gy, x, weight, has_bias, False, need_w)
     else:
         gx, gw, gb = entry.run_backward(gy, x, weight, has_bias, need_x, need_w)
     return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
@@ -195,6 +204,12 @@ def _inline(x, weight, bias, train, state=""):
         return FORWARD(x, weight, bias, train)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is None or not entry.inlinable:
+        return FORWARD(x, weight, bias, train)
+    if train and entry.rows is not None and rows_pay(weight.shape[1], x.dtype):
+        # Inlined, a feature-major backend returns a transposed view, and AOTAutograd then
+        # hands the backward a gradient of the output's strides: a transposing copy of the
+        # caller's row-major gradient per step, and products on the copy. The op writes
+        # rows and takes the gradient as it comes (docs/design.md, "The feature-major tangent").
         return FORWARD(x, weight, bias, train)
     # The eager route: the forward's torch ops, inside the backend's autograd Function where
     # its backward is its own kernels, so the traced backward is the one eager runs.
