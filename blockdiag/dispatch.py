@@ -376,6 +376,42 @@ _cache: dict = {}
 _cache_generation = -1
 
 
+_CODE_SUFFIXES = (".py", ".c", ".h")
+_CODE_DIGESTS: dict = {}
+
+
+def code_digest(root: Optional[str] = None) -> str:
+    """A digest of the source under ``root`` (blockdiag's package: its .py, .c and .h files).
+
+    Read once per process and root. The version alone does not tell two checkouts of one
+    version apart (an editable install, a git pull), whose traced graphs can decompose
+    differently: torch's compile caches served one the other's code.
+
+    >>> code_digest() == code_digest()
+    True
+
+    Args:
+        root: a directory (default: the installed blockdiag package).
+
+    Returns:
+        a short hexadecimal string.
+    """
+    root = root or os.path.dirname(os.path.abspath(__file__))
+    digest = _CODE_DIGESTS.get(root)
+    if digest is None:
+        h = hashlib.sha256()
+        for here, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(_CODE_SUFFIXES):
+                    path = os.path.join(here, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+        digest = _CODE_DIGESTS[root] = h.hexdigest()[:16]
+    return digest
+
+
 def plan_state() -> str:
     """A digest of everything ``auto``'s plans depend on besides the problem.
 
@@ -383,8 +419,8 @@ def plan_state() -> str:
     torch keeps compiled graphs in caches of its own (AOTAutograd's and inductor's, on disk
     across processes) keyed by the graph it was given, not by what the plan read. So that
     graph carries this digest as an argument: another settings value, profile file, thread
-    count, registry or blockdiag version gives another graph, never a cached one planned
-    under the old state. The digest is stable across processes where all of those agree,
+    count, registry or blockdiag version or source (:func:`code_digest`) gives another graph,
+    never a cached one planned under the old state. The digest is stable across processes where all of those agree,
     so those caches still serve a new process.
 
     >>> plan_state() == plan_state()
@@ -408,7 +444,7 @@ def plan_state() -> str:
         fn = getattr(fn, "forward", fn)  # an OpEntry: its kernel names the code
         registry.append((name, getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__qualname__)))
     path = _config.resolve("profile")[0] or _profile.default_profile_path()
-    parts = (__version__, torch.get_num_threads(), repr(_config.get_settings()), stat(path),
+    parts = (__version__, code_digest(), torch.get_num_threads(), repr(_config.get_settings()), stat(path),
              stat(_profile.DEFAULTS_PATH), tuple(registry))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 

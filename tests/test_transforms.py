@@ -533,6 +533,29 @@ def test_plan_state_moves_with_what_plans_read(monkeypatch):
     finally:
         blockdiag.unregister_backend("test_plan_state")
     assert plan_state() == base
+    with monkeypatch.context() as m:
+        m.setattr(blockdiag.dispatch, "code_digest", lambda: "another checkout")
+        assert plan_state() != base
+
+
+def test_code_digest_moves_with_the_source(tmp_path):
+    from blockdiag.dispatch import code_digest
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "kernel.c").write_text("int f(void) { return 1; }\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    before = code_digest(str(tmp_path))
+    assert code_digest(str(tmp_path)) == before  # read once: the second call is the cached value
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sub").mkdir()
+    (other / "sub" / "kernel.c").write_text("int f(void) { return 2; }\n")
+    (other / "notes.txt").write_text("not code either")
+    assert code_digest(str(other)) != before
+    same = tmp_path / "same"
+    (same / "sub").mkdir(parents=True)
+    (same / "sub" / "kernel.c").write_text("int f(void) { return 1; }\n")
+    assert code_digest(str(same)) == before  # by content and relative path, not by place or mtime
 
 
 # ----------------------------------------------------------------------- GroupedMLP hooks
