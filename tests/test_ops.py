@@ -192,25 +192,32 @@ def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias):
             _close(gx, generic_backward(gy, x, w, bias, True, False, False)[0], dtype, k=o, what=f"{name} rows input gradient")
 
 
+@pytest.mark.parametrize("large", [pytest.param(False, id="small-output"), pytest.param(True, id="large-output")])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grad", GRAD)
 @pytest.mark.parametrize("chosen", FEATURE_MAJOR)
-def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, grad, dtype, monkeypatch):
+def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, grad, dtype, large, monkeypatch):
     from blockdiag.ops import auto as auto_op
 
     monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
     shape = ROWS_SHAPES[dtype]
+    n, g, _, o = shape
+    assert n * g * o * dtype.itemsize < auto_op.ROWS_OP_MIN_BYTES
+    if large:  # the threshold moved below these operands rather than a large product computed
+        monkeypatch.setattr(auto_op, "ROWS_OP_MIN_BYTES", n * g * o * dtype.itemsize)
     x, w, b = _operands(shape, dtype, grad, True)
     torch.library.opcheck(auto_op.INLINE, (x, w, b, grad), test_utils=FULL_UTILS)
     with torch.profiler.profile() as prof:
         y = auto_op.INLINE(x, w, b, grad)
     ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
-    # In training the op runs (its result row-major, so a compiled backward gets the caller's
-    # gradient as it is); without autograd the inlined view is kept (no gradient to copy).
-    assert ("blockdiag::auto" in ran) == (grad or chosen == "bmm_fm_loop"), sorted(ran)
-    assert y.is_contiguous() == grad or chosen == "bmm_fm_loop", y.stride()
+    # In training with a large output the op runs (its result row-major, so a compiled
+    # backward gets the caller's gradient as it is); without autograd, or below the op's
+    # fixed cost, the inlined view is kept. bmm_fm_loop is never inlined (loop's backward).
+    opaque = (grad and large) or chosen == "bmm_fm_loop"
+    assert ("blockdiag::auto" in ran) == opaque, sorted(ran)
+    assert y.is_contiguous() == opaque, y.stride()
     _check_against_reference(y, x, w, b, dtype, grad, f"auto_inline ({chosen}, rows)")
-    if grad:
+    if grad and opaque:
         with torch.profiler.profile() as prof:
             y = auto_op.INLINE(x, w, b, grad)
             y.backward(torch.randn_like(y))

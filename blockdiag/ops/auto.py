@@ -205,15 +205,29 @@ def _inline(x, weight, bias, train, state=""):
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is None or not entry.inlinable:
         return FORWARD(x, weight, bias, train)
-    if train and entry.rows is not None and rows_pay(weight.shape[1], x.dtype):
+    if train and entry.rows is not None and _rows_op_pays(x, weight):
         # Inlined, a feature-major backend returns a transposed view, and AOTAutograd then
         # hands the backward a gradient of the output's strides: a transposing copy of the
         # caller's row-major gradient per step, and products on the copy. The op writes
-        # rows and takes the gradient as it comes (docs/design.md, "The feature-major tangent").
+        # rows and takes the gradient as it comes (docs/design.md).
         return FORWARD(x, weight, bias, train)
     # The eager route: the forward's torch ops, inside the backend's autograd Function where
     # its backward is its own kernels, so the traced backward is the one eager runs.
     return entry.eager(x, weight, bias)
+
+
+# The op costs a compiled training step a fixed amount more than inlined torch ops (its
+# Python kernels, forward and backward); what it saves, the transposing copies of the
+# gradient, grows with the output. ``scripts/bench_rows.py --compiled`` times the two graphs
+# of each point: on the CPU measured the op lost at 128 KiB outputs (32 rows) and won from
+# 256 KiB.
+ROWS_OP_MIN_BYTES = 256 * 1024
+
+
+def _rows_op_pays(x, weight) -> bool:
+    """Whether a traced training graph records the op for a feature-major choice (see above)."""
+    g, o, _ = weight.shape
+    return rows_pay(o, x.dtype) and x.shape[0] * g * o * x.element_size() >= ROWS_OP_MIN_BYTES
 
 
 def _is_subclass(t) -> bool:
