@@ -9,11 +9,11 @@ are ``in`` elements. ``blockdiag.ops._define.ROWS_MIN_RUN_BYTES`` is the run len
 the direct write is taken; this script shows where it pays on the machine it runs on.
 Rounds are interleaved; medians are printed, with direct/copy (below 1: the direct write wins).
 
-With ``--compiled`` it times instead what ``blockdiag.ops.auto.ROWS_OP_MIN_BYTES`` decides: a
+With ``--compiled`` it times instead what ``blockdiag.ops.auto.ROWS_OP_MIN_BATCH`` decides: a
 compiled training step of ``GroupedLinear`` whose ``auto`` chooses ``bmm_fm_bmm``, traced once
 with the choice inlined (a transposed output, so AOTAutograd transposes the gradient) and once
-as the ``blockdiag::auto`` op (rows written directly, a fixed cost per call), with op/inlined
-against the output's size.
+as the ``blockdiag::auto`` op (rows written directly, Python kernels), with op/inlined per
+point.
 
     python scripts/bench_rows.py [--batch 32,256,2048] [--groups 4,16] [--runs 8,10,16,32,64,256]
     python scripts/bench_rows.py --compiled [--batch 32,256] [--groups 4,16] [--runs 64,256]
@@ -98,8 +98,8 @@ def _compiled(batches, groups, runs, dtype, rounds: int) -> None:
     torch._inductor.config.fx_graph_cache = False
     torch._dynamo.config.cache_size_limit = 64
     auto_op.choice = lambda x, weight, train: "bmm_fm_bmm"
-    threshold = auto_op.ROWS_OP_MIN_BYTES
-    print(f"{torch.get_num_threads()} threads; ROWS_OP_MIN_BYTES = {threshold}")
+    threshold = auto_op.ROWS_OP_MIN_BATCH
+    print(f"{torch.get_num_threads()} threads; ROWS_OP_MIN_BATCH = {threshold}")
     print(f"{'batch':>6} {'groups':>6} {'run':>4} {'output KiB':>10} | {'eager us':>9} {'inlined us':>10} "
           f"{'op us':>9} | {'op/inlined':>10}")
     for n, g, r in itertools.product(batches, groups, runs):
@@ -108,11 +108,11 @@ def _compiled(batches, groups, runs, dtype, rounds: int) -> None:
         x = torch.randn(n, g * r, dtype=dtype, requires_grad=True)
         gy = torch.randn(n, g * r, dtype=dtype)
         graphs = {}
-        for name, bound in (("inlined", float("inf")), ("op", 0)):
-            auto_op.ROWS_OP_MIN_BYTES = bound
+        for name, bound in (("inlined", n + 1), ("op", 0)):
+            auto_op.ROWS_OP_MIN_BATCH = bound
             graphs[name] = torch.compile(lambda t: layer(t))
             graphs[name](x)  # traced here, under this bound
-        auto_op.ROWS_OP_MIN_BYTES = threshold
+        auto_op.ROWS_OP_MIN_BATCH = threshold
 
         def step(fn):
             def run():

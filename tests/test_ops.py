@@ -192,7 +192,7 @@ def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias):
             _close(gx, generic_backward(gy, x, w, bias, True, False, False)[0], dtype, k=o, what=f"{name} rows input gradient")
 
 
-@pytest.mark.parametrize("large", [pytest.param(False, id="small-output"), pytest.param(True, id="large-output")])
+@pytest.mark.parametrize("large", [pytest.param(False, id="small-batch"), pytest.param(True, id="large-batch")])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grad", GRAD)
 @pytest.mark.parametrize("chosen", FEATURE_MAJOR)
@@ -201,16 +201,15 @@ def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, 
 
     monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
     shape = ROWS_SHAPES[dtype]
-    n, g, _, o = shape
-    assert n * g * o * dtype.itemsize < auto_op.ROWS_OP_MIN_BYTES
-    if large:  # the threshold moved below these operands rather than a large product computed
-        monkeypatch.setattr(auto_op, "ROWS_OP_MIN_BYTES", n * g * o * dtype.itemsize)
+    assert shape[0] < auto_op.ROWS_OP_MIN_BATCH
+    if large:  # the threshold moved to these operands rather than a large product computed
+        monkeypatch.setattr(auto_op, "ROWS_OP_MIN_BATCH", shape[0])
     x, w, b = _operands(shape, dtype, grad, True)
     torch.library.opcheck(auto_op.INLINE, (x, w, b, grad), test_utils=FULL_UTILS)
     with torch.profiler.profile() as prof:
         y = auto_op.INLINE(x, w, b, grad)
     ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
-    # In training with a large output the op runs (its result row-major, so a compiled
+    # In training at a large batch the op runs (its result row-major, so a compiled
     # backward gets the caller's gradient as it is); without autograd, or below the op's
     # fixed cost, the inlined view is kept. bmm_fm_loop is never inlined (loop's backward).
     opaque = (grad and large) or chosen == "bmm_fm_loop"

@@ -216,18 +216,17 @@ def _inline(x, weight, bias, train, state=""):
     return entry.eager(x, weight, bias)
 
 
-# The op costs a compiled training step a fixed amount more than inlined torch ops (its
-# Python kernels, forward and backward); what it saves, the transposing copies of the
-# gradient, grows with the output. ``scripts/bench_rows.py --compiled`` times the two graphs
-# of each point: on the CPU measured the op lost at 128 KiB outputs (32 rows) and won from
-# 256 KiB.
-ROWS_OP_MIN_BYTES = 256 * 1024
+# The op costs a compiled training step more than inlined torch ops at small batches (its
+# Python kernels, forward and backward, and batched products on 32 rows that gain nothing from
+# the direct write), while what it saves, the transposing copies of the gradient, grows with
+# the batch. ``scripts/bench_rows.py --compiled`` times the two graphs of each point: on the
+# CPU measured the op lost at 32 rows (up to 1.2x at 50 groups of 64x64) and won from 256.
+ROWS_OP_MIN_BATCH = 256
 
 
 def _rows_op_pays(x, weight) -> bool:
     """Whether a traced training graph records the op for a feature-major choice (see above)."""
-    g, o, _ = weight.shape
-    return rows_pay(o, x.dtype) and x.shape[0] * g * o * x.element_size() >= ROWS_OP_MIN_BYTES
+    return x.shape[0] >= ROWS_OP_MIN_BATCH and rows_pay(weight.shape[1], x.dtype)
 
 
 def _is_subclass(t) -> bool:
