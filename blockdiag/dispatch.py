@@ -419,9 +419,9 @@ def plan_state() -> str:
     torch keeps compiled graphs in caches of its own (AOTAutograd's and inductor's, on disk
     across processes) keyed by the graph it was given, not by what the plan read. So that
     graph carries this digest as an argument: another settings value, profile file, thread
-    count, registry or blockdiag version or source (:func:`code_digest`) gives another graph,
-    never a cached one planned under the old state. The digest is stable across processes where all of those agree,
-    so those caches still serve a new process.
+    count, registry, or blockdiag version or source (:func:`code_digest`) gives another
+    graph, never a cached one planned under the old state. The digest is stable across
+    processes where all of those agree, so those caches still serve a new process.
 
     >>> plan_state() == plan_state()
     True

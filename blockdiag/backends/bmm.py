@@ -99,7 +99,8 @@ def _fm_backward(gy, x, weight, has_bias, need_x, need_w):
 # its weight gradient ``gy_g^T @ x_g`` comes out as ``[G, out, in]``, the weight's own layout.
 bmm = define(OpEntry("bmm", _bmm_forward, traceable=True))
 bmm_fm = define(
-    OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True, eager_autograd=True, rows=bmm_fm_rows, rows_input_grad=rows_input_grad)
+    OpEntry("bmm_fm", bmm_fm_forward, _fm_backward, traceable=True, eager_autograd=True,
+            rows=bmm_fm_rows, rows_input_grad=rows_input_grad)
 )
 
 
