@@ -33,7 +33,7 @@ from blockdiag import BlockDiagError, grouped_linear
 from blockdiag.backends import get
 from blockdiag.testing import reference_loop, tolerances
 
-from _params import DTYPES, backends_and_auto, require_backend
+from _params import DEVICES, DTYPES, backends_and_auto, require_backend
 
 ops = pytest.importorskip("blockdiag.ops", reason="blockdiag.ops (issue 21) is not there yet")
 
@@ -171,22 +171,23 @@ ROWS_SHAPES = {torch.float32: (5, 3, 16, 16), torch.float64: (5, 3, 8, 8)}
 FEATURE_MAJOR = ["bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", BIAS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", FEATURE_MAJOR)
-def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias):
+def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias, device):
     from blockdiag.ops._define import _ENTRIES, generic_backward, rows_pay
 
     entry = _ENTRIES[name]
     n, g, i, o = ROWS_SHAPES[dtype]
     assert rows_pay(o, dtype) and rows_pay(i, dtype) and not rows_pay(o // 2, dtype)
     for rows in (n, 1, 0):
-        x, w, b = _operands((rows, g, i, o), dtype, False, bias)
+        x, w, b = _operands((rows, g, i, o), dtype, False, bias, device)
         y = entry.rows(x, w, b)
-        assert y.is_contiguous() and y.shape == (rows, g * o), (y.shape, y.stride())
+        assert y.is_contiguous() and y.shape == (rows, g * o) and y.device == x.device, (y.shape, y.stride())
         _close(y, reference_loop(_f64(x), _f64(w), _f64(b)), dtype, what=f"{name} rows, {rows} rows")
         if entry.rows_input_grad is not None:
-            gy = torch.randn(rows, g * o, dtype=dtype)
+            gy = torch.randn(rows, g * o, dtype=dtype, device=device)
             gx = entry.rows_input_grad(gy, w)
             assert gx.is_contiguous() and gx.shape == x.shape
             _close(gx, generic_backward(gy, x, w, bias, True, False, False)[0], dtype, k=o, what=f"{name} rows input gradient")
