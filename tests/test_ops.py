@@ -166,7 +166,8 @@ def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
 
 # Where a feature-major backend's rows are wide enough for a strided write to pay
 # (``ops._define.rows_pay``: 64 bytes), the auto op writes its row-major result and input
-# gradient directly, and a training graph records the op instead of the transposed view.
+# gradient directly, and a training graph at a batch of ``ops.auto.ROWS_OP_MIN_BATCH`` or
+# more records the op instead of the transposed view.
 ROWS_SHAPES = {torch.float32: (5, 3, 16, 16), torch.float64: (5, 3, 8, 8)}
 FEATURE_MAJOR = ["bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"]
 
