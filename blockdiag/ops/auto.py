@@ -220,7 +220,7 @@ def _inline(x, weight, bias, train, state=""):
 # Python kernels, forward and backward, and batched products on 32 rows that gain nothing from
 # the direct write), while what it saves, the transposing copies of the gradient, grows with
 # the batch. ``scripts/bench_rows.py --compiled`` times the two graphs of each point: on the
-# CPU measured the op lost at 32 rows (up to 1.2x at 50 groups of 64x64) and won from 256.
+# CPU measured the op lost at 32 rows and won from 256.
 ROWS_OP_MIN_BATCH = 256
 
 
