@@ -545,7 +545,8 @@ def test_code_digest_moves_with_the_source(tmp_path):
     (tmp_path / "sub" / "kernel.c").write_text("int f(void) { return 1; }\n")
     (tmp_path / "notes.txt").write_text("not code")
     before = code_digest(str(tmp_path))
-    assert code_digest(str(tmp_path)) == before  # read once: the second call is the cached value
+    (tmp_path / "sub" / "kernel.c").write_text("int f(void) { return 3; }\n")
+    assert code_digest(str(tmp_path)) == before  # read once per process: a later edit is not seen
     other = tmp_path / "other"
     other.mkdir()
     (other / "sub").mkdir()

@@ -122,10 +122,8 @@ def fake_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 # A row-major result written through a strided ``out=`` view (``OpEntry.rows``) takes each
 # group's rows as runs of ``out`` (or ``in``) elements, ``G*out`` apart. A run shorter than a
-# cache line writes lines partly, and the product written contiguous then copied is faster:
-# scripts/bench_rows.py times the two: on the CPU measured (AVX2) the strided write lost at
-# 10-element float32 runs and won from 16 at batches of 256 and more (at 32 rows the two were
-# within noise of each other).
+# cache line writes lines partly, and the product written contiguous then copied is faster;
+# scripts/bench_rows.py times the two on the machine it runs on.
 ROWS_MIN_RUN_BYTES = 64
 
 
