@@ -225,6 +225,73 @@ def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, 
         assert "blockdiag::auto_backward" in {e.name for e in prof.events()}
 
 
+# ------------------------------------------------ blockdiag::fm_rows (GroupedMLP's traced chain)
+
+
+def _fm_operands(shape, dtype, grad, bias, device="cpu"):
+    """``h [G, in, N]`` (the chain's feature-major hidden units), weight and bias."""
+    n, g, i, o = shape
+    x, w, b = _operands(shape, dtype, grad, bias, device)
+    h = x.detach().view(n, g, i).permute(1, 2, 0).contiguous().requires_grad_(grad)
+    return h, w, b
+
+
+def _rows_of(h):
+    """``h [G, in, N]`` as the row-major input ``[N, G*in]`` of the reference loop."""
+    return h.permute(2, 0, 1).reshape(h.shape[2], h.shape[0] * h.shape[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fm_rows_op(dtype, grad, bias, device):
+    from blockdiag.ops.fm_rows import fm_rows
+
+    shape = ROWS_SHAPES[dtype]
+    n, g, _, o = shape
+    op = torch.ops.blockdiag.fm_rows.default
+    h, w, b = _fm_operands(shape, dtype, grad, bias, device)
+    if device == "cpu":
+        torch.library.opcheck(op, (h, w, b), test_utils=FULL_UTILS)
+    for rows in (n, 1, 0):
+        hr = h.detach()[..., :rows].requires_grad_(grad)
+        y = fm_rows(hr, w, b)
+        assert y.shape == (rows, g * o) and y.is_contiguous() and y.device == h.device, (y.shape, y.stride())
+        _close(y.detach(), reference_loop(_f64(_rows_of(hr)), _f64(w), _f64(b)), dtype, what=f"fm_rows, {rows} rows")
+        if grad and rows:
+            gy = torch.randn_like(y)
+            ins = [t for t in (hr, w, b) if t is not None]
+            got = torch.autograd.grad((y * gy).sum(), ins)
+            _, gx, gw, gb = _ref_grads(_rows_of(hr), w, b, gy)
+            want = [gx.view(rows, g, -1).permute(1, 2, 0), gw, gb]
+            for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
+                _close(g_, w_, dtype, k=rows, what=f"fm_rows: gradient of {label}")
+
+
+def test_fm_rows_gradcheck_forward_ad_vmap_and_flops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from blockdiag.ops.fm_rows import fm_rows
+
+    h, w, b = _fm_operands((4, 3, 2, 5), torch.float64, True, True)
+    assert torch.autograd.gradcheck(fm_rows, (h, w, b), check_forward_ad=True, check_batched_grad=True, fast_mode=True)
+    assert torch.autograd.gradgradcheck(fm_rows, (h, w, b), fast_mode=True)
+    # vmap over stacked operands: each copy is its own product.
+    hs, ws, bs = (torch.randn(2, *t.shape, dtype=t.dtype) for t in (h, w, b))
+    got = torch.func.vmap(fm_rows)(hs, ws, bs)
+    want = torch.stack([fm_rows(hs[k], ws[k], bs[k]) for k in range(2)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.func.vmap(fm_rows, in_dims=(0, None, None))(hs, w, b),
+                               torch.stack([fm_rows(hs[k], w, b) for k in range(2)]))
+    with FlopCounterMode(display=False) as fc:
+        fm_rows(h.detach(), w.detach(), b.detach())
+    assert fc.get_total_flops() == 2 * 4 * 3 * 2 * 5, fc.get_flop_counts()
+    with FakeTensorMode() as mode:
+        y = fm_rows(mode.from_tensor(h), mode.from_tensor(w), mode.from_tensor(b))
+    assert y.shape == (4, 15) and y.stride() == (15, 1)
+
+
 NEEDS = [
     pytest.param(True, True, True, id="input-weight-bias"),
     pytest.param(True, False, False, id="input"),

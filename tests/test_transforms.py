@@ -672,6 +672,50 @@ def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
         assert "aten.baddbmm.default" in ops, sorted(ops)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
+def test_compiled_mlp_training_writes_rows(dtype, chain_spy):
+    # Where a head's output row is 64 bytes or more, a traced training chain ends in
+    # blockdiag::fm_rows: a row-major output, so the backward takes the caller's gradient as
+    # it is. One graph per shape class still, the eager chain's results, no graph break;
+    # without autograd, or with rows too short for the strided write, the chain keeps its
+    # transposed view.
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from blockdiag.ops._define import rows_pay
+
+    wide = 64 // dtype.itemsize
+    assert rows_pay(wide, dtype) and not rows_pay(wide // 2, dtype)
+    for out, rows in ((wide, True), (wide // 2, False)):
+        model = GroupedMLP(6, [4], out, heads=3, dtype=dtype)
+        chain = copy.deepcopy(model)
+        chain.strategy = "fm_chain"
+        backend, seen = _graph_ops()
+        cnt = CompileCounterWithBackend(backend)
+        compiled = torch.compile(model, backend=cnt, fullgraph=True)
+        counters.clear()
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for n in (4, 6, 31):
+                x, gy = torch.randn(n, 6, dtype=dtype), torch.randn(n, 3 * out, dtype=dtype)
+                chain_spy.clear()
+                y, grads = _mlp_grads(compiled, x, gy)
+                assert chain_spy, f"batch {n}: the compiled model ran the layers"
+                y_want, grads_want = _mlp_grads(chain, x, gy)
+                torch.testing.assert_close(y, y_want, msg=lambda m: f"out={out} batch {n}: output: {m}")
+                for g, w in zip(grads, grads_want):
+                    torch.testing.assert_close(g, w, msg=lambda m: f"out={out} batch {n}: gradient: {m}")
+                assert y.is_contiguous() == rows, y.stride()
+            with torch.no_grad():
+                y = compiled(torch.randn(5, 6, dtype=dtype))
+            assert not y.is_contiguous()
+        assert cnt.frame_count <= 3, f"{cnt.frame_count} graphs"
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        *train_graphs, no_grad_graph = seen
+        assert train_graphs and all(("blockdiag.fm_rows.default" in ops) == rows for ops in train_graphs), \
+            [sorted(ops) for ops in train_graphs]
+        assert "blockdiag.fm_rows.default" not in no_grad_graph, sorted(no_grad_graph)
+
+
 @pytest.mark.parametrize("strategy", ["auto", "fm_chain"])
 def test_exported_mlp_runs_the_chain_on_cpu(strategy, chain_spy):
     # torch.export traces with FakeTensor parameters: they count as plain, so the exported

@@ -15,7 +15,9 @@ from .. import settings as _settings
 from .._checks import check, check_operand_kinds
 from ..backends import get
 from ..dispatch import Plan
+from ..ops._define import rows_pay
 from ..ops._sharding import refuse_sharded
+from ..ops.fm_rows import fm_rows
 from .linear import GroupedLinear
 
 __all__ = ["GroupedMLP", "MLPPlan", "STRATEGIES"]
@@ -614,11 +616,35 @@ class GroupedMLP(nn.Module):
         else:
             xv = x2.view(n, hds, self.in_features).permute(1, 2, 0)  # [H, in, N] view
             h = self._bmm(first, xv)
-        for k in range(1, len(layers)):
+        last = len(layers) - 1
+        for k in range(1, last):
             h = acts[k - 1](h)
             h = self._bmm(layers[k], h)
-        # [H, out, N] -> [N, H*out]: the one transpose of the whole stack.
+        if last >= 1:
+            h = acts[last - 1](h)
+            if torch.compiler.is_compiling() and self._traced_rows(layers[last], h):
+                # A traced training graph: the last product writes rows (see ops/fm_rows.py).
+                p = layers[last]._parameters
+                return fm_rows(h, p["weight"], p["bias"]).view(*lead, hds * self.out_features)
+            h = self._bmm(layers[last], h)
+        # [H, out, N] -> [N, H*out]: the one transpose of the whole stack, a view.
         return h.permute(2, 0, 1).reshape(*lead, hds * self.out_features)
+
+    @staticmethod
+    def _traced_rows(layer: GroupedLinear, h: torch.Tensor) -> bool:
+        """Whether a traced chain's last product is ``blockdiag::fm_rows`` (a row-major result).
+
+        Only where autograd records it (the gradient's layout is what the op saves) and where
+        a block's row is long enough for the strided write to pay (``ROWS_MIN_RUN_BYTES``,
+        as for the ``auto`` op); the batch is not read, so a graph serving every batch size
+        is not guarded on it.
+        """
+        p = layer._parameters
+        w, b = p["weight"], p["bias"]
+        records = torch.is_grad_enabled() and (
+            h.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+        )
+        return records and rows_pay(layer.block_out, h.dtype)
 
     @staticmethod
     def _bmm(layer: GroupedLinear, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""``blockdiag::fm_rows``: a grouped product from a feature-major input into row-major output.
+
+``GroupedMLP``'s chain keeps its hidden units feature-major, ``[G, in, N]``, and its last product
+``y_g^T = W_g @ h_g + b_g`` gives ``[G, out, N]``, which the chain returns as the transposed view
+``[N, G*out]``. In eager mode that view costs nothing: the caller's row-major gradient reaches
+the backward's batched products as a strided view. In a traced training graph it does not:
+AOTAutograd hands the backward a gradient with the strides the traced output had, so it copies
+the caller's row-major gradient into a transposed layout on every step, and torch's copy into a
+transposed destination is a slow element-wise loop (the opposite direction, ``.contiguous()``
+of a transposed view, takes a blocked path). This op is the same product with the batched GEMM
+writing a new row-major ``[N, G*out]`` directly (``out=`` its ``[G, out, N]`` strided view, as
+``bmm_fm``'s ``rows`` kernel does), so the traced output, and the gradient the backward is
+handed, are row-major. Its backward reads that gradient through a strided view as eager does.
+
+The op is opaque to the compiler (a GEMM written through a strided ``out=`` cannot be expressed
+in traced torch ops without the copy); its backward is differentiable torch ops, which the
+compiler traces and fuses, and which double backward differentiates again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._define import LIB
+
+__all__ = ["fm_rows"]
+
+LIB.define("fm_rows(Tensor h, Tensor weight, Tensor? bias) -> Tensor")
+FORWARD = torch.ops.blockdiag.fm_rows.default
+
+
+def _kernel(h, weight, bias):
+    g, o, _ = weight.shape
+    n = h.shape[2]
+    y = h.new_empty(n, g * o)
+    yt = y.view(n, g, o).permute(1, 2, 0)  # [G, out, N]: each block a transposed matrix, ld G*out
+    if bias is None:
+        torch.bmm(weight, h, out=yt)
+    else:
+        torch.baddbmm(bias.view(g, o, 1), weight, h, out=yt)
+    return y
+
+
+def _fake(h, weight, bias):
+    g, o, _ = weight.shape
+    return h.new_empty(h.shape[2], g * o)
+
+
+def _backward_ops(gy, h, weight, need_h, need_w, need_b):
+    """The gradients in differentiable torch ops (traced into compiled backward graphs)."""
+    g, o, _ = weight.shape
+    n = h.shape[2]
+    gyt = gy.reshape(n, g, o).permute(1, 2, 0)  # [G, out, N], a view of a row-major gradient
+    gh = torch.bmm(weight.transpose(1, 2), gyt) if need_h else None
+    gw = torch.bmm(gyt, h.transpose(1, 2)) if need_w else None
+    gb = gy.sum(0) if need_b else None
+    return gh, gw, gb
+
+
+class _Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, keyset):
+        ctx.save_for_backward(h, weight)
+        ctx.save_for_forward(h, weight)
+        with torch._C._AutoDispatchBelowAutograd():
+            return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        h, weight = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        return (*_backward_ops(gy, h, weight, need_h, need_w, need_b), None)
+
+    @staticmethod
+    def jvp(ctx, th, tw, tb, _keyset):
+        # Linear in each operand: d(W h + b) = W dh + dW h + db.
+        h, weight = ctx.saved_tensors
+        out = None
+        if th is not None:
+            out = fm_rows(th, weight, None)
+        if tw is not None:
+            t = fm_rows(h, tw, tb)
+            out = t if out is None else out + t
+        elif tb is not None:
+            t = tb.expand(h.shape[2], tb.shape[0])
+            out = t if out is None else out + t
+        if out is None:
+            out = h.new_zeros(h.shape[2], weight.shape[0] * weight.shape[1])
+        return out
+
+
+_Fn = type("fm_rows_Op", (torch.autograd.Function,),
+           {k: v for k, v in vars(_Fn).items() if k in ("forward", "backward", "jvp")})
+
+
+def _autograd_kernel(keyset, h, weight, bias):
+    records = torch.is_grad_enabled() and (
+        h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if records or torch.autograd.forward_ad._current_level >= 0:
+        return _Fn.apply(h, weight, bias, keyset)
+    return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
+
+
+def _vmap(info, in_dims, h, weight, bias):
+    # Each vmapped copy becomes more groups of one product: [B, G, ...] -> [B*G, ...].
+    hd, wd, bd = in_dims
+    nb = info.batch_size
+    g, o, i = weight.shape[-3:]
+    hb = h.movedim(hd, 0) if hd is not None else h.expand(nb, *h.shape)
+    wb = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+    bb = None
+    if bias is not None:
+        bb = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape)).reshape(-1)
+    y = FORWARD(hb.reshape(nb * g, i, hb.shape[-1]), wb.reshape(nb * g, o, i), bb)
+    return y.view(y.shape[0], nb, g * o), 1
+
+
+def _flops(h_shape, w_shape, *args, **kwargs) -> int:
+    g, o, i = w_shape
+    return 2 * h_shape[2] * g * i * o
+
+
+LIB.impl("fm_rows", _kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("blockdiag::fm_rows", _fake, lib=LIB)
+LIB.impl("fm_rows", _autograd_kernel, "Autograd", with_keyset=True)
+torch.library.register_vmap("blockdiag::fm_rows", _vmap, lib=LIB)
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    register_flop_formula(FORWARD.overloadpacket)(_flops)
+
+
+_register_flops()
+
+
+def fm_rows(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y[:, g-th block] = (weight[g] @ h[g] + bias_g)^T``, as a new row-major ``[N, G*out]``.
+
+    >>> h, w = torch.randn(3, 4, 5), torch.randn(3, 2, 4)
+    >>> y = fm_rows(h, w, None)
+    >>> y.shape, y.is_contiguous()
+    (torch.Size([5, 6]), True)
+
+    Args:
+        h: the feature-major input ``[G, in, N]``.
+        weight: ``[G, out, in]``.
+        bias: ``[G*out]`` or None.
+
+    Returns:
+        ``[N, G*out]``, row-major.
+    """
+    return FORWARD(h, weight, bias)
