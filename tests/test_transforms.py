@@ -641,23 +641,29 @@ def chain_spy(monkeypatch):
     return ran
 
 
-def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
-    # On the CPU eager auto runs the chain wherever it is allowed; a compiled model does too,
-    # in one graph per shape class (no blockdiag op in it: the chain is bmm/addmm), with the
-    # eager chain's results.
+def _compiled_chain_runs(model, batches, chain_spy, no_grad_batch=None):
+    """Compile ``model`` (fullgraph), run a training step per batch size and check each against
+    the eager chain; returns ``(graphs compiled, forward graphs' op sets, compiled outputs)``.
+
+    Fails on a graph break, on hitting the recompile limit, and where the compiled model ran
+    the layers. With ``no_grad_batch``, one more call without autograd (its graph is last).
+    """
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    model = _mlp("auto")
+    n_in = model.in_features * (1 if model.shared_input else model.heads)
+    n_out = model.out_features * model.heads
+    dt = model.layers[0].weight.dtype
     chain = copy.deepcopy(model)
     chain.strategy = "fm_chain"
     backend, seen = _graph_ops()
     cnt = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=cnt, fullgraph=True)
     counters.clear()
+    outputs = []
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        for n in BATCHES:
-            x, gy = torch.randn(n, 6, dtype=torch.float64), torch.randn(n, 6, dtype=torch.float64)
+        for n in batches:
+            x, gy = torch.randn(n, n_in, dtype=dt), torch.randn(n, n_out, dtype=dt)
             chain_spy.clear()
             y, grads = _mlp_grads(compiled, x, gy)
             assert chain_spy, f"batch {n}: the compiled model ran the layers"
@@ -665,51 +671,44 @@ def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
             torch.testing.assert_close(y, y_want, msg=lambda m: f"batch {n}: output: {m}")
             for g, w in zip(grads, grads_want):
                 torch.testing.assert_close(g, w, msg=lambda m: f"batch {n}: gradient: {m}")
-    assert cnt.frame_count <= 3, f"{cnt.frame_count} graphs for {len(BATCHES)} batch sizes"
+            outputs.append(y)
+        if no_grad_batch is not None:
+            with torch.no_grad():
+                outputs.append(compiled(torch.randn(no_grad_batch, n_in, dtype=dt)))
     assert not counters["graph_break"], dict(counters["graph_break"])
+    return cnt.frame_count, seen, outputs
+
+
+def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
+    # On the CPU eager auto runs the chain wherever it is allowed; a compiled model does too,
+    # in one graph per shape class (no blockdiag op in it at these narrow heads: the chain is
+    # bmm/addmm), with the eager chain's results.
+    graphs, seen, _ = _compiled_chain_runs(_mlp("auto"), BATCHES, chain_spy)
+    assert graphs <= 3, f"{graphs} graphs for {len(BATCHES)} batch sizes"
     for ops in seen:
         assert not any(op.startswith("blockdiag.") for op in ops), sorted(ops)
         assert "aten.baddbmm.default" in ops, sorted(ops)
 
 
+@pytest.mark.parametrize("shared", [pytest.param(True, id="shared-input"), pytest.param(False, id="own-inputs")])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
-def test_compiled_mlp_training_writes_rows(dtype, chain_spy):
+def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy):
     # Where a head's output row is 64 bytes or more, a traced training chain ends in
     # blockdiag::fm_rows: a row-major output, so the backward takes the caller's gradient as
     # it is. One graph per shape class still, the eager chain's results, no graph break;
     # without autograd, or with rows too short for the strided write, the chain keeps its
     # transposed view.
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
     from blockdiag.ops._define import rows_pay
 
     wide = 64 // dtype.itemsize
     assert rows_pay(wide, dtype) and not rows_pay(wide // 2, dtype)
     for out, rows in ((wide, True), (wide // 2, False)):
-        model = GroupedMLP(6, [4], out, heads=3, dtype=dtype)
-        chain = copy.deepcopy(model)
-        chain.strategy = "fm_chain"
-        backend, seen = _graph_ops()
-        cnt = CompileCounterWithBackend(backend)
-        compiled = torch.compile(model, backend=cnt, fullgraph=True)
-        counters.clear()
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for n in (4, 6, 31):
-                x, gy = torch.randn(n, 6, dtype=dtype), torch.randn(n, 3 * out, dtype=dtype)
-                chain_spy.clear()
-                y, grads = _mlp_grads(compiled, x, gy)
-                assert chain_spy, f"batch {n}: the compiled model ran the layers"
-                y_want, grads_want = _mlp_grads(chain, x, gy)
-                torch.testing.assert_close(y, y_want, msg=lambda m: f"out={out} batch {n}: output: {m}")
-                for g, w in zip(grads, grads_want):
-                    torch.testing.assert_close(g, w, msg=lambda m: f"out={out} batch {n}: gradient: {m}")
-                assert y.is_contiguous() == rows, y.stride()
-            with torch.no_grad():
-                y = compiled(torch.randn(5, 6, dtype=dtype))
-            assert not y.is_contiguous()
-        assert cnt.frame_count <= 3, f"{cnt.frame_count} graphs"
-        assert not counters["graph_break"], dict(counters["graph_break"])
+        model = GroupedMLP(6, [4], out, heads=3, shared_input=shared, dtype=dtype)
+        graphs, seen, outputs = _compiled_chain_runs(model, (4, 6, 31), chain_spy, no_grad_batch=5)
+        *trained, no_grad = outputs
+        assert all(y.is_contiguous() == rows for y in trained), [y.stride() for y in trained]
+        assert not no_grad.is_contiguous(), no_grad.stride()
+        assert graphs <= 3, f"{graphs} graphs"
         *train_graphs, no_grad_graph = seen
         assert train_graphs and all(("blockdiag.fm_rows.default" in ops) == rows for ops in train_graphs), \
             [sorted(ops) for ops in train_graphs]

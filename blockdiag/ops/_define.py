@@ -342,9 +342,14 @@ def _differentiable_backward(name: str, ctx, gy):
     return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
 
 
-def _jvp(entry_call, ctx, tx, tw, tb):
-    """The product is linear in each operand: ``d(x W^T + b) = dx W^T + x dW^T + db``."""
+def _jvp(entry_call, ctx, tx, tw, tb, rows_dim: int = 0):
+    """The product is linear in each operand: ``d(x W^T + b) = dx W^T + x dW^T + db``.
+
+    ``rows_dim`` is the saved input's dimension that indexes the output's rows (0 for
+    ``[N, G*in]``, 2 for the feature-major ``[G, in, N]`` of ``blockdiag::fm_rows``).
+    """
     x, weight = ctx.saved_tensors
+    n = x.shape[rows_dim]
     out = None
     if tx is not None:
         out = entry_call(tx, weight, None)
@@ -352,9 +357,9 @@ def _jvp(entry_call, ctx, tx, tw, tb):
         t = entry_call(x, tw, tb)
         out = t if out is None else out + t
     elif tb is not None:
-        out = tb.expand(x.shape[0], tb.shape[0]) if out is None else out + tb
+        out = tb.expand(n, tb.shape[0]) if out is None else out + tb
     if out is None:
-        out = x.new_zeros(x.shape[0], weight.shape[0] * weight.shape[1])
+        out = x.new_zeros(n, weight.shape[0] * weight.shape[1])
     return out
 
 

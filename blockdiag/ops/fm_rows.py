@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._define import LIB
+from ._define import LIB, _jvp, _named
 
 __all__ = ["fm_rows"]
 
@@ -73,24 +73,10 @@ class _Fn(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, th, tw, tb, _keyset):
-        # Linear in each operand: d(W h + b) = W dh + dW h + db.
-        h, weight = ctx.saved_tensors
-        out = None
-        if th is not None:
-            out = fm_rows(th, weight, None)
-        if tw is not None:
-            t = fm_rows(h, tw, tb)
-            out = t if out is None else out + t
-        elif tb is not None:
-            t = tb.expand(h.shape[2], tb.shape[0])
-            out = t if out is None else out + t
-        if out is None:
-            out = h.new_zeros(h.shape[2], weight.shape[0] * weight.shape[1])
-        return out
+        return _jvp(fm_rows, ctx, th, tw, tb, rows_dim=2)
 
 
-_Fn = type("fm_rows_Op", (torch.autograd.Function,),
-           {k: v for k, v in vars(_Fn).items() if k in ("forward", "backward", "jvp")})
+_Fn = _named(_Fn, "fm_rows_Op")
 
 
 def _autograd_kernel(keyset, h, weight, bias):
