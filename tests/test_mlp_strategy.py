@@ -191,6 +191,46 @@ def test_fm_chain_and_layers_agree(shared, bias, hidden, chain_spy):
         torch.testing.assert_close(pa.grad, pb.grad, **F64)
 
 
+ACTIVATIONS = [
+    pytest.param(nn.ReLU, id="relu"), pytest.param(lambda: nn.LeakyReLU(0.3), id="leaky"),
+    pytest.param(nn.SiLU, id="silu"), pytest.param(nn.Tanh, id="tanh"), pytest.param(nn.Sigmoid, id="sigmoid"),
+    pytest.param(nn.GELU, id="gelu-not-in-place"),
+]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("mode", ["no_grad", "frozen", "train"])
+def test_fm_chain_in_place_activations_agree_with_the_layers(activation, mode, chain_spy):
+    # Where nothing differentiates the call, the chain applies an activation with an in-place
+    # form on its own hidden tensor; the result is the layers' in every case, the caller's
+    # input is untouched, and training (which needs the activation's input) is unchanged.
+    torch.manual_seed(0)
+    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="fm_chain", dtype=torch.float64)
+    b = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="layers", dtype=torch.float64)
+    b.load_state_dict(a.state_dict())
+    if mode == "frozen":
+        a.requires_grad_(False)
+        b.requires_grad_(False)
+    x = _x(a, 7, requires_grad=mode == "train")
+    x0 = x.detach().clone()
+    called = []
+    for act in a.activations:  # an instance attribute: no hook, which would stop the chain
+        act.forward = lambda h, f=act.forward: called.append(1) or f(h)
+    with torch.set_grad_enabled(mode != "no_grad"):
+        ya, yb = a(x), b(x)
+    assert chain_spy, "the chain did not run"
+    in_place = mode != "train" and type(a.activations[0]) is not nn.GELU
+    assert bool(called) != in_place, (mode, len(called))
+    torch.testing.assert_close(ya, yb, **F64)
+    torch.testing.assert_close(x.detach(), x0, rtol=0, atol=0)
+    if mode == "train":
+        r = torch.randn_like(ya)
+        ga = torch.autograd.grad((ya * r).sum(), [x, *a.parameters()])
+        gb = torch.autograd.grad((yb * r).sum(), [x, *b.parameters()])
+        for u, v in zip(ga, gb):
+            torch.testing.assert_close(u, v, **F64)
+
+
 def test_fm_chain_runs_an_empty_batch_and_refuses_a_mismatched_input():
     model = _model("fm_chain")
     x = _x(model, 0, requires_grad=True)

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad as _fwad
 from torch.nn.modules import module as _nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -86,6 +87,22 @@ def _check_activation(fn: str, act: object, where: str) -> None:
 STRATEGIES = ("auto", "layers", "fm_chain")
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+# Activations (exactly these classes: a subclass may override forward) whose effect the
+# chain can apply in place on its own hidden tensor where nothing differentiates the call.
+_IN_PLACE: dict[type, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]]] = {
+    nn.ReLU: lambda m: torch.relu_,
+    nn.LeakyReLU: lambda m: lambda h: torch.nn.functional.leaky_relu_(h, m.negative_slope),
+    nn.SiLU: lambda m: lambda h: torch.nn.functional.silu(h, inplace=True),
+    nn.Tanh: lambda m: torch.tanh_,
+    nn.Sigmoid: lambda m: torch.sigmoid_,
+}
+
+
+def _in_place(act: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act`` as a function that overwrites its input where it has an in-place form, else ``act``."""
+    make = _IN_PLACE.get(type(act))
+    return act if make is None else make(act)
 
 # One C call for "is autocast on anywhere?" (private API, hence optional).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -617,6 +634,11 @@ class GroupedMLP(nn.Module):
             xv = x2.view(n, hds, self.in_features).permute(1, 2, 0)  # [H, in, N] view
             h = self._bmm(first, xv)
         last = len(layers) - 1
+        if last >= 1 and not self._records(x, layers):
+            # Nothing differentiates this call: each hidden product is the chain's own new
+            # tensor, so an activation with an in-place form overwrites it rather than
+            # allocating and writing another (scripts/bench_mlp_strategy.py's inference rows).
+            acts = tuple(_in_place(a) for a in acts)
         for k in range(1, last):
             h = acts[k - 1](h)
             h = self._bmm(layers[k], h)
@@ -629,6 +651,21 @@ class GroupedMLP(nn.Module):
             h = self._bmm(layers[last], h)
         # [H, out, N] -> [N, H*out]: the one transpose of the whole stack, a view.
         return h.permute(2, 0, 1).reshape(*lead, hds * self.out_features)
+
+    @staticmethod
+    def _records(x: torch.Tensor, layers: Sequence[GroupedLinear]) -> bool:
+        """Whether autograd (reverse or forward mode), or a tracer, may see this call's products."""
+        if torch.compiler.is_compiling() or _fwad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            return True
+        if not torch.is_grad_enabled():
+            return False
+        if x.requires_grad:
+            return True
+        for layer in layers:
+            for t in layer._parameters.values():
+                if t is not None and t.requires_grad:
+                    return True
+        return False
 
     @staticmethod
     def _traced_rows(layer: GroupedLinear, h: torch.Tensor) -> bool:
