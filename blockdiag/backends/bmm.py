@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import OpEntry, define
+from ..ops.fm_rows import write_rows
 from ._registry import FLOATS, Backend, register
 
 
@@ -59,16 +60,8 @@ def bmm_fm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     row-major without the transposing copy ``.contiguous()`` would make of ``bmm_fm``'s view.
     What a caller that must return a contiguous result runs (``OpEntry.rows``).
     """
-    g, o, i = weight.shape
-    n = x.shape[0]
-    y = x.new_empty(n, g * o)
-    xt = x.view(n, g, i).permute(1, 2, 0)
-    yt = y.view(n, g, o).permute(1, 2, 0)
-    if bias is None:
-        torch.bmm(weight, xt, out=yt)
-    else:
-        torch.baddbmm(bias.view(g, o, 1), weight, xt, out=yt)
-    return y
+    g, _, i = weight.shape
+    return write_rows(x.view(x.shape[0], g, i).permute(1, 2, 0), weight, bias)
 
 
 def rows_input_grad(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,17 @@ import torch
 
 from ._define import LIB, _jvp, _named
 
-__all__ = ["fm_rows"]
+__all__ = ["fm_rows", "write_rows"]
 
 LIB.define("fm_rows(Tensor h, Tensor weight, Tensor? bias) -> Tensor")
 FORWARD = torch.ops.blockdiag.fm_rows.default
 
 
-def _kernel(h, weight, bias):
+def write_rows(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of a feature-major ``h [G, in, N]`` written into a new row-major ``[N, G*out]``.
+
+    The kernel of this op and of the feature-major backends' ``OpEntry.rows``.
+    """
     g, o, _ = weight.shape
     n = h.shape[2]
     y = h.new_empty(n, g * o)
@@ -107,7 +111,7 @@ def _flops(h_shape, w_shape, *args, **kwargs) -> int:
     return 2 * h_shape[2] * g * i * o
 
 
-LIB.impl("fm_rows", _kernel, "CompositeExplicitAutograd")
+LIB.impl("fm_rows", write_rows, "CompositeExplicitAutograd")
 torch.library.register_fake("blockdiag::fm_rows", _fake, lib=LIB)
 LIB.impl("fm_rows", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::fm_rows", _vmap, lib=LIB)
