@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import OpEntry, define
-from ..ops.fm_rows import write_rows
+from ..ops.fm_rows import fm_rows_backward, write_rows
 from ._registry import FLOATS, Backend, register
 
 
@@ -75,16 +75,10 @@ def rows_input_grad(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _fm_backward(gy, x, weight, has_bias, need_x, need_w):
     """What autograd derives from ``bmm_fm``'s forward: the products in ``[G, ., N]`` order."""
-    g, o, i = weight.shape
+    g, _, i = weight.shape
     n = x.shape[0]
-    gyt = gy.reshape(n, g, o).permute(1, 2, 0)  # [G, out, N]
-    gx = gw = gb = None
-    if need_x:
-        gx = torch.bmm(weight.transpose(1, 2), gyt).permute(2, 0, 1).reshape(n, g * i)
-    if need_w:
-        gw = torch.bmm(gyt, x.reshape(n, g, i).transpose(0, 1))
-    if has_bias:
-        gb = gy.sum(0)
+    gh, gw, gb = fm_rows_backward(gy, x.reshape(n, g, i).permute(1, 2, 0), weight, need_x, need_w, has_bias)
+    gx = None if gh is None else gh.permute(2, 0, 1).reshape(n, g * i)
     return gx, gw, gb
 
 

@@ -16,7 +16,7 @@ from .. import settings as _settings
 from .._checks import check, check_operand_kinds
 from ..backends import get
 from ..dispatch import Plan
-from ..ops._define import rows_pay
+from ..ops._define import _records, rows_pay
 from ..ops._sharding import refuse_sharded
 from ..ops.fm_rows import fm_rows
 from .linear import GroupedLinear
@@ -677,11 +677,7 @@ class GroupedMLP(nn.Module):
         is not guarded on it.
         """
         p = layer._parameters
-        w, b = p["weight"], p["bias"]
-        records = torch.is_grad_enabled() and (
-            h.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-        )
-        return records and rows_pay(layer.block_out, h.dtype)
+        return _records(h, p["weight"], p["bias"]) and rows_pay(layer.block_out, h.dtype)
 
     @staticmethod
     def _bmm(layer: GroupedLinear, h: torch.Tensor) -> torch.Tensor:

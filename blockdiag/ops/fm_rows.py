@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ._define import LIB, _jvp, _named
+from ._define import LIB, _jvp, _named, _records
 
-__all__ = ["fm_rows", "write_rows"]
+__all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
 LIB.define("fm_rows(Tensor h, Tensor weight, Tensor? bias) -> Tensor")
 FORWARD = torch.ops.blockdiag.fm_rows.default
@@ -50,8 +50,12 @@ def _fake(h, weight, bias):
     return h.new_empty(h.shape[2], g * o)
 
 
-def _backward_ops(gy, h, weight, need_h, need_w, need_b):
-    """The gradients in differentiable torch ops (traced into compiled backward graphs)."""
+def fm_rows_backward(gy, h, weight, need_h, need_w, need_b):
+    """The gradients of ``h``, weight and bias in differentiable torch ops (None where not asked for).
+
+    Traced into compiled backward graphs; also ``bmm_fm``'s backward, whose input is ``h`` seen
+    as rows.
+    """
     g, o, _ = weight.shape
     n = h.shape[2]
     gyt = gy.reshape(n, g, o).permute(1, 2, 0)  # [G, out, N], a view of a row-major gradient
@@ -73,7 +77,7 @@ class _Fn(torch.autograd.Function):
     def backward(ctx, gy):
         h, weight = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        return (*_backward_ops(gy, h, weight, need_h, need_w, need_b), None)
+        return (*fm_rows_backward(gy, h, weight, need_h, need_w, need_b), None)
 
     @staticmethod
     def jvp(ctx, th, tw, tb, _keyset):
@@ -84,10 +88,7 @@ _Fn = _named(_Fn, "fm_rows_Op")
 
 
 def _autograd_kernel(keyset, h, weight, bias):
-    records = torch.is_grad_enabled() and (
-        h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    if records or torch.autograd.forward_ad._current_level >= 0:
+    if _records(h, weight, bias) or torch.autograd.forward_ad._current_level >= 0:
         return _Fn.apply(h, weight, bias, keyset)
     return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
 
