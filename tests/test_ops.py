@@ -22,6 +22,7 @@ A backend unavailable here (``simd`` without AVX-512, ``torch_sparse`` not insta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ INLINE_CHOICES = ["bmm_fm", "bmm_fm_bmm", "bmm_fm_loop", "loop"]
 def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
     from blockdiag.ops import auto as auto_op
 
-    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
+    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train, plain=True: chosen)
     dtype = torch.float64
     x, w, b = _operands(SHAPE, dtype, grad, bias)
     torch.library.opcheck(auto_op.INLINE, (x, w, b, grad), test_utils=FULL_UTILS)
@@ -162,6 +163,44 @@ def test_auto_inline_opcheck(chosen, grad, bias, monkeypatch):
     ran = {e.name for e in prof.events() if e.name.startswith("blockdiag::")}
     assert ("blockdiag::auto" in ran) == (chosen in ("loop", "bmm_fm_loop")), sorted(ran)
     _check_against_reference(y, x, w, b, dtype, grad, f"auto_inline ({chosen})")
+
+
+class _Sub(torch.Tensor):
+    """A plain ``torch.Tensor`` subclass: it reaches the op's kernels as itself."""
+
+
+@pytest.mark.parametrize("operand", ["input", "weight", "bias", "grad"])
+@pytest.mark.parametrize("native", ["simd", "mkl_batch"])
+def test_auto_op_routes_a_subclass_operand_away_from_a_c_choice(native, operand, monkeypatch):
+    # A C backend refuses a subclass by name (it cannot take its pointer); auto must run the
+    # best-ranked torch-ops backend instead, whichever backend the table ranks first.
+    require_backend(native)
+    from blockdiag import dispatch
+    from blockdiag.ops import auto as auto_op
+
+    real = dispatch.choose
+
+    def native_first(p):
+        plan = real(p)
+        first = next(c for c in plan.candidates if c.name == native)
+        rest = tuple(c for c in plan.candidates if c.name != native)
+        return dataclasses.replace(plan, backend=native, candidates=(dataclasses.replace(first, ok=True), *rest))
+
+    monkeypatch.setattr(dispatch, "choose", native_first)
+    monkeypatch.setattr(auto_op, "_CHOICE", {})
+    x, w, b = _operands(SHAPE, torch.float64, True, True)
+    gy = torch.randn(SHAPE[0], SHAPE[1] * SHAPE[3], dtype=torch.float64)
+    plain = auto_op.choice(x, w, True)
+    assert plain == native and auto_op.choice(x, w, True, plain=False) not in ("simd", "mkl_batch")
+    sub = {"input": x, "weight": w, "bias": b, "grad": gy}[operand].detach().as_subclass(_Sub)
+    args = {"input": x, "weight": w, "bias": b, "grad": gy, operand: sub.requires_grad_(operand != "grad")}
+    y = auto_op.auto(args["input"], args["weight"], args["bias"], True)
+    leaves = [args[k] for k in ("input", "weight", "bias")]
+    got = torch.autograd.grad(y, leaves, args["grad"])
+    want_y, *want = _ref_grads(*leaves, gy)
+    _close(y.detach(), want_y, torch.float64, what=f"auto, {operand} a subclass")
+    for g_, w_, label in zip(got, want, ("input", "weight", "bias")):
+        _close(g_, w_, torch.float64, k=SHAPE[0], what=f"auto, {operand} a subclass: gradient of {label}")
 
 
 # Where a feature-major backend's rows are wide enough for a strided write to pay
@@ -201,7 +240,7 @@ def test_rows_kernels_equal_the_feature_major_ones(name, dtype, bias, device):
 def test_auto_inline_writes_rows_for_a_feature_major_choice_in_training(chosen, grad, dtype, large, monkeypatch):
     from blockdiag.ops import auto as auto_op
 
-    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train: chosen)
+    monkeypatch.setattr(auto_op, "choice", lambda x, weight, train, plain=True: chosen)
     shape = ROWS_SHAPES[dtype]
     assert shape[0] < auto_op.ROWS_OP_MIN_BATCH
     if large:  # the threshold moved to these operands rather than a large product computed

@@ -149,7 +149,8 @@ class OpEntry:
             contiguous ``[N, G*out]`` (the op then returns a contiguous result).
         traceable: ``forward`` uses torch ops only, so it runs on FakeTensor and meta inputs.
         native: the kernels hand data pointers to C: the op refuses anything but plain
-            strided CPU tensors with storage before they run.
+            strided CPU tensors before they run, and the kernels check each operand's
+            storage where they take its pointer.
         check: ``check(x, weight, bias)`` returns why the kernels cannot run these operands
             (e.g. a failed self-check), or None; run by the op before the kernel.
         eager_autograd: ``backward`` computes what torch's own derivatives of ``forward``
@@ -221,18 +222,17 @@ class OpEntry:
 
     # The kernels behind the ops ---------------------------------------------------------
     def _guard(self, *named: tuple[str, Optional[torch.Tensor]]) -> None:
+        # The op's refusal, before a self-check or kernel runs. Whether the storage holds the
+        # view is checked where each pointer is taken (backends._native.check_stored, which
+        # also bounds the extent): here it would build a storage object per operand per call.
         if not self.native:
             return
         for arg, t in named:
-            if t is None:
-                continue
-            if type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided:
+            if t is not None and (type(t) not in _PLAIN or not t.is_cpu or t.layout is not _STRIDED):
                 raise BlockDiagError(
                     f"{self.name}: {arg} must be a plain strided CPU tensor for the compiled kernels, got "
                     f"{type(t).__name__} on {t.device} with layout {t.layout}"
                 )
-            if t.numel() > 0 and t.untyped_storage().data_ptr() == 0:
-                raise BlockDiagError(f"{self.name}: {arg} has no storage (shape {tuple(t.shape)})")
 
     def _impl(self, x, weight, bias):
         self._guard(("input", x), ("weight", weight), ("bias", bias))

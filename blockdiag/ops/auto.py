@@ -39,6 +39,7 @@ from .. import settings as _settings
 from ..backends import Problem, get
 from ._define import (
     _ENTRIES,
+    _PLAIN,
     BACKWARD_SCHEMA,
     LIB,
     _contiguous,
@@ -63,25 +64,42 @@ BACKWARD = torch.ops.blockdiag.auto_backward.default
 INLINE = torch.ops.blockdiag.auto_inline.default
 
 
-# (rows, weight shape, dtype, device type, train, epoch) -> backend name: the op runs once per
-# call of a compiled graph, and building the Problem costs more than the lookup.
+# (rows, weight shape, dtype, device type, train, plain, epoch) -> backend name: the op runs
+# once per call of a compiled graph, and building the Problem costs more than the lookup.
 _CHOICE: dict = {}
 
 
-def choice(x: torch.Tensor, weight: torch.Tensor, train: bool) -> str:
-    """The backend ``auto`` runs for a 2-D ``x`` and ``weight`` (what eager ``auto`` picks)."""
+def choice(x: torch.Tensor, weight: torch.Tensor, train: bool, plain: bool = True) -> str:
+    """The backend ``auto`` runs for a 2-D ``x`` and ``weight`` (what eager ``auto`` picks).
+
+    ``plain``: every operand is a plain ``torch.Tensor`` (or ``Parameter``). Where one is not
+    (a ``torch.Tensor`` subclass reaches the kernels as itself), a C backend cannot take its
+    pointer, so the plan's best-ranked backend written in torch ops runs instead.
+    """
     ep = _settings.epoch()
-    key = (x.shape[0], weight.shape, x.dtype, x.device.type, train, ep)
+    key = (x.shape[0], weight.shape, x.dtype, x.device.type, train, plain, ep)
     name = _CHOICE.get(key)
     if name is None:
         from ..dispatch import choose
 
         g, o, i = weight.shape
-        name = choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train))).backend
+        plan = choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train)))
+        name = plan.backend
+        if not plain:
+            name = next((c.name for c in plan.candidates if c.ok and not _native(c.name)), name)
         if len(_CHOICE) > 4096:
             _CHOICE.clear()
         _CHOICE[key] = name
     return name
+
+
+def _native(name: str) -> bool:
+    entry = _ENTRIES.get(name)
+    return entry is not None and entry.native
+
+
+def _plain(a, b, c) -> bool:
+    return type(a) in _PLAIN and type(b) in _PLAIN and (c is None or type(c) in _PLAIN)
 
 
 def _forward_kernel(name, x, weight, bias):
@@ -103,7 +121,7 @@ def _forward_kernel(name, x, weight, bias):
 
 
 def _impl(x, weight, bias, train):
-    return _contiguous(_forward_kernel(choice(x, weight, train), x, weight, bias))
+    return _contiguous(_forward_kernel(choice(x, weight, train, _plain(x, weight, bias)), x, weight, bias))
 
 
 def _fake(x, weight, bias, train):
@@ -112,7 +130,7 @@ def _fake(x, weight, bias, train):
 
 
 def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
-    name = choice(x, weight, True)
+    name = choice(x, weight, True, _plain(gy, x, weight))
     entry = _ENTRIES.get(name)
     if entry is None:
         gx, gw, gb = generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
