@@ -551,9 +551,22 @@ def _cols(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _ld(t: torch.Tensor) -> int:
-    """The leading dimension of a 2-d ``t`` from :func:`_cols` (a single row's: its width)."""
-    return t.stride(0) if t.size(0) > 1 else max(t.size(1), 1)
+def _matrix(arg: str, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``_cols(_operand(arg, t, dtype))`` and its leading dimension, each attribute read once.
+
+    The leading dimension is the row stride, or a single row's width. Every kernel call
+    checks two or three operands this way, around products that are often small. A ``t``
+    that is not 2-d comes back as it is with a leading dimension of 0, for the caller's
+    shape check to refuse.
+    """
+    t = _operand(arg, t, dtype)
+    if t.dim() != 2:
+        return t, 0
+    rows, width = t.shape
+    ld, unit = t.stride()
+    if (width > 1 and unit != 1) or (rows > 1 and 0 < ld < width):
+        t, ld = t.contiguous(), width
+    return t, (ld if rows > 1 else max(width, 1))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -606,15 +619,16 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     g, o, i = weight.shape
     n = x.shape[0]
     dtype = _dtype(x.dtype)
-    x = _cols(_operand("input", x, dtype))
+    x, ldx = _matrix("input", x, dtype)
     weight = _operand("weight", weight, dtype).contiguous()
     if bias is not None:
         bias = _operand("bias", bias, dtype).contiguous()
     if x.shape[1] != g * i or (bias is not None and tuple(bias.shape) != (g * o,)):
         raise _shape_error("forward", input=x, weight=weight, **({} if bias is None else {"bias": bias}))
     y = x.new_empty(n, g * o)
-    _run("forward", "bd_forward", _kernel(dtype, 0), x.data_ptr(), _ld(x), weight.data_ptr(), _ptr(bias),
-         y.data_ptr(), _ld(y), n, g, i, o, torch.get_num_threads())
+    # y is new and contiguous: its leading dimension is its width.
+    _run("forward", "bd_forward", _kernel(dtype, 0), x.data_ptr(), ldx, weight.data_ptr(), _ptr(bias),
+         y.data_ptr(), max(g * o, 1), n, g, i, o, torch.get_num_threads())
     return y
 
 
@@ -624,27 +638,27 @@ def _grad_input(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     g, o, i = weight.shape
     n = gy.shape[0]
     dtype = _dtype(gy.dtype)
-    gy = _cols(_operand("grad", gy, dtype))
+    gy, ldg = _matrix("grad", gy, dtype)
     weight = _operand("weight", weight, dtype).contiguous()
     if gy.shape[1] != g * o:
         raise _shape_error("input gradient", grad=gy, weight=weight)
     gx = gy.new_empty(n, g * i)
-    _run("input gradient", "bd_grad_input", _kernel(dtype, 1), gy.data_ptr(), _ld(gy), weight.data_ptr(),
-         gx.data_ptr(), _ld(gx), n, g, i, o, torch.get_num_threads())
+    _run("input gradient", "bd_grad_input", _kernel(dtype, 1), gy.data_ptr(), ldg, weight.data_ptr(),
+         gx.data_ptr(), max(g * i, 1), n, g, i, o, torch.get_num_threads())
     return gx
 
 
 def _grad_weight(gy: torch.Tensor, x: torch.Tensor, shape, with_bias: bool):
     g, o, i = (int(s) for s in shape)
     dtype = _dtype(gy.dtype)
-    gy = _cols(_operand("grad", gy, dtype))
-    x = _cols(_operand("input", x, dtype))
+    gy, ldg = _matrix("grad", gy, dtype)
+    x, ldx = _matrix("input", x, dtype)
     if (gy.dim() != 2 or x.dim() != 2 or gy.shape[0] != x.shape[0]
             or gy.shape[1] != g * o or x.shape[1] != g * i):
         raise _shape_error("weight gradient", grad=gy, input=x, weight=(g, o, i))
     gw = gy.new_empty(g, o, i)
     gb = gy.new_empty(g * o) if with_bias else None
-    _run("weight gradient", "bd_grad_weight", _kernel(dtype, 2), gy.data_ptr(), _ld(gy), x.data_ptr(), _ld(x),
+    _run("weight gradient", "bd_grad_weight", _kernel(dtype, 2), gy.data_ptr(), ldg, x.data_ptr(), ldx,
          gw.data_ptr(), _ptr(gb), gy.shape[0], g, i, o, torch.get_num_threads())
     return gw, gb
 
