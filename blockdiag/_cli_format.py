@@ -150,6 +150,8 @@ COMPILED_SUMMARY = (
     ("geomean_compiled_over_eager", "compiled over eager, geometric mean", "{:.3f}"),
     ("max_compiled_over_eager", "compiled over eager, worst", "{:.3f}"),
     ("worst_point_compiled_over_eager", "  at", "{}"),
+    ("geomean_loop_compiled_over_eager", "the nn.Linear loop's compiled over eager, geometric mean", "{:.3f}"),
+    ("geomean_vmap_compiled_over_eager", "vmap ensembling's compiled over eager, geometric mean", "{:.3f}"),
     ("geomean_compiled_over_best_peer", "compiled over the fastest compiled peer, geometric mean", "{:.3f}"),
     ("geomean_speedup_over_best_peer", "speed-up over the fastest compiled peer, geometric mean", "{:.2f}x"),
     ("max_compiled_over_best_peer", "compiled over the fastest compiled peer, worst", "{:.3f}"),

@@ -578,7 +578,7 @@ def _bench_compiled(args, grid, modes) -> int:
     bd = ["auto", *dict.fromkeys(args.backends or ())]
     # Per point and model: each blockdiag module eager and compiled, and the compiled peers.
     flops = _point_flops(grid, modes, args.max_gflop) * len(args.compiled)
-    steps = 2 * len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS))
+    steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS)))
     _announce("bench", args, len(flops), modes, args.json or "nothing (no --json)",
               fmt.estimate_line(flops, steps, "modules", args.repeat, args.min_time, args.device,
                                 "compiling adds seconds to minutes per point"))
@@ -586,7 +586,8 @@ def _bench_compiled(args, grid, modes) -> int:
                           backends=args.backends, rounds=args.repeat, min_time=args.min_time,
                           baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
                           refine=args.refine, compiler=args.compiler, progress=sys.stderr)
-    cols = [c for n in bd for c in (n, f"{n}_compiled")] + ([] if args.no_baselines else list(COMPILED_PEERS))
+    peers = [] if args.no_baselines else [p.removesuffix("_compiled") for p in COMPILED_PEERS]
+    cols = [c for n in (*bd, *peers) for c in (n, f"{n}_compiled")]
     timed = [r for r in rows if "times_us" in r]
     units = {c: fmt.unit(r["times_us"].get(c) for r in timed) for c in cols}
     label = {c: f"{c.replace('_compiled', '_c')} {units[c]}" for c in cols}
@@ -595,7 +596,7 @@ def _bench_compiled(args, grid, modes) -> int:
     print(f"torch.compile (backend {args.compiler}, dynamic=False, compile time excluded), {args.stat} of "
           f"{args.repeat} interleaved rounds; times in the unit of their column (us or ms); _c: compiled; "
           f"c/eager: compiled blockdiag over eager blockdiag; c/peer: compiled blockdiag over the fastest "
-          f"compiled peer (loop of heads, vmap)")
+          f"compiled peer (loop of heads, vmap; each also timed eager)")
     head = f"{'mode':7s} {'model':6s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{label[c]:>{width}s}" for c in cols)
     head += "".join(f" {e:>7s} {c:>7s}" for _, e, c in ratio_cols) + f" {'choice':>8s}"
     print(head)

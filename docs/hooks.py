@@ -492,13 +492,16 @@ def bench_compiled_markdown(name: str) -> str:
         + ", ".join(f"`{m}`" for m in comp.get("models", [])) + ".\n"
     )
     out.append("| mode | model | points | compiled over eager: geometric mean (worst) | "
+               "the peers' compiled over eager: loop, vmap (geometric means) | "
                "compiled over the best compiled peer: geometric mean (worst) | points slower than that peer |")
-    out.append("|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|")
     for mode, models in d.get("summary", {}).items():
         for model, s in models.items():
             out.append(
                 f"| {mode} | {model} | {s.get('points')} | {_fmt(s.get('geomean_compiled_over_eager'), '.2f')} "
                 f"({_fmt(s.get('max_compiled_over_eager'), '.2f')}) | "
+                f"{_fmt(s.get('geomean_loop_compiled_over_eager'), '.2f')}, "
+                f"{_fmt(s.get('geomean_vmap_compiled_over_eager'), '.2f')} | "
                 f"{_fmt(s.get('geomean_compiled_over_best_peer'), '.2f')} "
                 f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')} |"
             )

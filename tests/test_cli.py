@@ -570,12 +570,18 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         assert r["compiled_over_eager"]["auto"] == pytest.approx(t["auto_compiled"] / t["auto"], rel=2e-3, abs=1e-4)
         assert r["compile_s"]["auto_compiled"] > 0 and r["graphs"]["auto_compiled"] >= 1
         if r["groups"] == 2:
-            assert r["failed"] == {} and set(t) == {"auto", "auto_compiled", "loop_compiled", "vmap_compiled"}
+            assert r["failed"] == {} and set(t) == {
+                "auto", "auto_compiled", "loop", "loop_compiled", "vmap", "vmap_compiled"}
             assert t[r["best_peer"]] == min(t["loop_compiled"], t["vmap_compiled"])
             assert r["compiled_over_best_peer"]["auto"] == pytest.approx(
                 t["auto_compiled"] / t[r["best_peer"]], rel=2e-3, abs=1e-4)
+            for peer in ("loop", "vmap"):
+                assert r["peer_compiled_over_eager"][f"{peer}_compiled"] == pytest.approx(
+                    t[f"{peer}_compiled"] / t[peer], rel=2e-3, abs=1e-4)
         else:
-            assert set(r["failed"]) == {"loop_compiled", "vmap_compiled"} and set(t) == {"auto", "auto_compiled"}
+            # The peers ran eager (their compiled forms failed): no compiled over eager for them.
+            assert set(r["failed"]) == {"loop_compiled", "vmap_compiled"}
+            assert set(t) == {"auto", "auto_compiled", "loop", "vmap"} and r["peer_compiled_over_eager"] == {}
             assert r["failed"]["vmap_compiled"] == "RuntimeError: backend='x' raised: boom"
             assert r["failed"]["loop_compiled"].startswith("wrong result: compiled result differs from eager: output off by")
             assert r["best_peer"] is None and r["compiled_over_best_peer"] == {}
@@ -586,6 +592,9 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     assert s["linear"]["geomean_compiled_over_eager"] == pytest.approx((lin[0] * lin[1]) ** 0.5, abs=1e-4)
     assert s["linear"]["max_compiled_over_eager"] == max(lin)
     (one,) = [r for r in rows if r["model"] == "linear" and r["groups"] == 2]
+    # Each peer's compiled over eager, over the points where it compiled (G=2 only).
+    for peer in ("loop", "vmap"):
+        assert s["linear"][f"geomean_{peer}_compiled_over_eager"] == one["peer_compiled_over_eager"][f"{peer}_compiled"]
     assert s["linear"]["max_compiled_over_best_peer"] == one["compiled_over_best_peer"]["auto"]
     assert s["linear"]["worst_point_compiled_over_best_peer"] == "linear B=4 G=2 3x2"
     assert set(s["all"]["targets_met"]) == {

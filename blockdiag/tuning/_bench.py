@@ -416,8 +416,9 @@ def bench_compiled(
     ensembling), run once eager as the reference, compiled (``torch.compile(module,
     dynamic=dynamic)``) and run twice: the first call compiles the forward and backward
     graphs, and its results must match the eager ones (:data:`_COMPILED_RTOL`). Compile
-    time is recorded, not timed. Then the eager blockdiag modules and every compiled one
-    are timed in the same interleaved rounds (:func:`measure`, no pruning; with ``refine``
+    time is recorded, not timed. Then every module, eager and compiled (the peers too: their
+    compiled over eager time is torch.compile's own on the same computation), is timed in
+    the same interleaved rounds (:func:`measure`, no pruning; with ``refine``
     every step gets ``rounds`` more rounds: each one's time is in a reported ratio).
 
     A module that fails to build, run, compile or match is recorded in its row's
@@ -447,12 +448,13 @@ def bench_compiled(
 
     Returns:
         one dict per point, model and mode: ``times_us`` (``auto``, each forced backend,
-            ``<name>_compiled`` for each of those and for the peers ``loop`` and ``vmap``),
+            the peers ``loop`` and ``vmap``, and ``<name>_compiled`` for each of those),
             ``compile_s``, ``graphs`` and ``graph_breaks`` (per compiled step, from its first
             two calls), ``failed`` (step -> error), ``auto`` (GroupedLinear's choice, eager),
             ``best_peer``, ``compiled_over_eager`` and ``compiled_over_best_peer`` (per
             blockdiag backend name: its compiled time over its eager time, and over the
-            fastest compiled peer's), and ``graphs_while_timing`` where graphs were compiled
+            fastest compiled peer's), ``peer_compiled_over_eager`` (per compiled peer: its
+            compiled time over its eager time), and ``graphs_while_timing`` where graphs were compiled
             during the timing (a recompile the warm-up did not catch); or ``skipped_point``.
 
     Raises:
@@ -522,8 +524,9 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
                 if name in bd_names:
                     failed[cname] = "not compiled: the eager module failed"
                 continue
-            if name in bd_names:
-                steps[name] = _module_step(mod, mod, x, gy)
+            # The peers run eager too: their compiled over eager time is torch.compile's own
+            # cost and gain on the same computation, the yardstick for blockdiag's.
+            steps[name] = _module_step(mod, mod, x, gy)
             g0, b0 = _dynamo_counts()
             t0 = time.perf_counter()
             try:
@@ -550,6 +553,10 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
     peers = {n: us[n] for n in COMPILED_PEERS if n in us}
     best_peer = min(peers, key=peers.get) if peers else None
     ce, cp = {}, {}
+    peer_ce = {
+        n: round(us[n] / us[n.removesuffix("_compiled")], 4)
+        for n in COMPILED_PEERS if n in us and n.removesuffix("_compiled") in us
+    }
     for n in bd_names:
         c = us.get(f"{n}_compiled")
         if c is None:
@@ -567,6 +574,7 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
         best_peer=best_peer,
         compiled_over_eager=ce,
         compiled_over_best_peer=cp,
+        peer_compiled_over_eager=peer_ce,
     )
     if g_timing:
         out["graphs_while_timing"] = g_timing
@@ -592,6 +600,12 @@ def _compiled_stats(rs: Sequence[dict], name: str) -> Optional[dict]:
             max_compiled_over_eager=worst[0],
             worst_point_compiled_over_eager=_point_name(worst[1]),
         )
+        # The same ratio for each peer, over the same points: what torch.compile does to
+        # the loop of heads and to vmap ensembling (rows from before peers ran eager lack it).
+        for peer in COMPILED_PEERS:
+            pv = [r["peer_compiled_over_eager"][peer] for _, r in ce if peer in r.get("peer_compiled_over_eager", {})]
+            if pv:
+                s[f"geomean_{peer.removesuffix('_compiled')}_compiled_over_eager"] = round(_geomean(pv), 4)
     if cp:
         worst = max(cp, key=lambda t: t[0])
         gm = _geomean([v for v, _ in cp])
@@ -622,8 +636,10 @@ def summarize_compiled(rows: Sequence[dict]) -> dict:
     ``points``, ``failed_points``, the geometric mean and the worst (largest) of compiled
     over eager and of compiled over the best compiled peer, with their points, the
     geometric-mean speed-up over the best compiled peer, the points where compiled
-    blockdiag is slower than that peer, and ``targets_met`` (:data:`COMPILED_TARGETS`,
-    and no failed point).
+    blockdiag is slower than that peer, ``targets_met`` (:data:`COMPILED_TARGETS`, and no
+    failed point), and ``geomean_loop_compiled_over_eager`` /
+    ``geomean_vmap_compiled_over_eager``: each peer's compiled over eager time over the
+    same points, torch.compile's effect on the computations blockdiag replaces.
 
     >>> summarize_compiled([])
     {}
