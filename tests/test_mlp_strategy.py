@@ -45,15 +45,6 @@ def chain_spy(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def table_prefers_chain(monkeypatch):
-    """The measured table says the chain is faster (whatever the machine's table says)."""
-    def choice(self, x):
-        return True, "test: chain measured faster", 1.0, 2.0, self._layer_plans(x)
-
-    monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
-
-
 # ---------------------------------------------------------------- the layers are called
 
 

@@ -679,7 +679,7 @@ def _compiled_chain_runs(model, batches, chain_spy, no_grad_batch=None):
     return cnt.frame_count, seen, outputs
 
 
-def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
+def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy, table_prefers_chain):
     # On the CPU eager auto runs the chain wherever it is allowed; a compiled model does too,
     # in one graph per shape class (no blockdiag op in it at these narrow heads: the chain is
     # bmm/addmm), with the eager chain's results.
@@ -692,7 +692,7 @@ def test_compiled_mlp_runs_the_chain_on_cpu_for_every_batch(chain_spy):
 
 @pytest.mark.parametrize("shared", [pytest.param(True, id="shared-input"), pytest.param(False, id="own-inputs")])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
-def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy):
+def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy, table_prefers_chain):
     # Where a head's output row is 64 bytes or more, a traced training chain ends in
     # blockdiag::fm_rows: a row-major output, so the backward takes the caller's gradient as
     # it is. One graph per shape class still, the eager chain's results, no graph break;
@@ -713,6 +713,33 @@ def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy):
         assert train_graphs and all(("blockdiag.fm_rows.default" in ops) == rows for ops in train_graphs), \
             [sorted(ops) for ops in train_graphs]
         assert "blockdiag.fm_rows.default" not in no_grad_graph, sorted(no_grad_graph)
+
+
+@pytest.mark.parametrize("table_says", [pytest.param(True, id="chain"), pytest.param(False, id="layers")])
+def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, chain_spy, monkeypatch):
+    # A graph traced at a concrete batch follows eager auto's decision at that batch (the
+    # table's); a graph serving every batch size cannot read the table and runs the CPU's
+    # device rule, the chain. Both compute the heads' result.
+    asked = []
+
+    def choice(self, x):
+        asked.append((x.shape[0], x.requires_grad))
+        return table_says, "test: the table's answer", 1.0, 2.0, self._layer_plans(x)
+
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
+    model = _mlp("auto")
+    torch._dynamo.reset()
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    chain_spy.clear()
+    y = torch.compile(model, fullgraph=True, dynamic=False)(x)
+    assert bool(chain_spy) == table_says and asked == [(5, True)], (chain_spy, asked)
+    torch.testing.assert_close(y, _heads_output(model, x))
+    torch._dynamo.reset()
+    chain_spy.clear()
+    x = torch.randn(7, 6, dtype=torch.float64)
+    y = torch.compile(model, fullgraph=True, dynamic=True)(x)
+    assert chain_spy and asked == [(5, True)], (chain_spy, asked)
+    torch.testing.assert_close(y, _heads_output(model, x))
 
 
 @pytest.mark.parametrize("strategy", ["auto", "fm_chain"])

@@ -19,7 +19,7 @@ from ..dispatch import Plan
 from ..ops._define import _records, rows_pay
 from ..ops._sharding import refuse_sharded
 from ..ops.fm_rows import fm_rows
-from .linear import GroupedLinear
+from .linear import GroupedLinear, _compile_guard
 
 __all__ = ["GroupedMLP", "MLPPlan", "STRATEGIES"]
 
@@ -507,26 +507,32 @@ class GroupedMLP(nn.Module):
         return chain
 
     def _traced_runs_chain(self, x: torch.Tensor) -> bool:
-        """``auto``'s decision while dynamo traces: the device rule, without the table.
+        """``auto``'s decision while dynamo traces: eager's at a concrete batch, else the device rule.
 
-        The table is not read while tracing (its answer may depend on the batch, which a
-        graph serving every batch size does not fix). On a device type in
-        ``CHAIN_WHEREVER_ALLOWED`` eager runs the chain wherever it is allowed and the table
-        has both sums, so the traced graph runs it wherever it is allowed; elsewhere it
-        runs the layers, each planned as ``auto`` plans in a traced graph. Dynamo guards on
-        what these checks read (hooks, parameters, backends), so adding a hook recompiles.
+        A graph traced at a concrete batch (the first one ``torch.compile`` makes, or every one
+        with ``dynamic=False``) decides as eager ``auto`` does at that batch, from the table
+        (:meth:`_measured_choice`, called outside the trace and recorded as a constant); the
+        graph is guarded on :data:`blockdiag.settings.generation`, so a settings, profile or
+        registry change recompiles it. A graph serving every batch size (a symbolic batch)
+        cannot read the table, whose answer depends on the batch: on a device type in
+        ``CHAIN_WHEREVER_ALLOWED`` it runs the chain wherever it is allowed, elsewhere the
+        layers, each planned as ``auto`` plans in a traced graph. Dynamo guards on what these
+        checks read (hooks, parameters, backends), so adding a hook recompiles.
         """
-        if (
-            x.device.type not in CHAIN_WHEREVER_ALLOWED
-            or x.numel() == 0
-            or torch._C._are_functorch_transforms_active()
-            or _autocast_on()
-        ):
+        if x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
             return False
         for layer in self._modules["layers"]._modules.values():
             if layer._backend != "auto":
                 return False
-        return self._chain_refusal(x, traced=True) is None
+        if self._chain_refusal(x, traced=True) is not None:
+            return False
+        rows = 1
+        for size in x.shape[:-1]:  # not Size.numel(), which makes a symbolic batch a number
+            rows = rows * size
+        if not _concrete(rows):  # a symbolic batch: the graph serves every batch size
+            return x.device.type in CHAIN_WHEREVER_ALLOWED
+        _compile_guard(_settings.generation)
+        return _traced_measured_choice(self, rows, torch.is_grad_enabled(), x.requires_grad)
 
     def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
         """Each layer's plan for the input it would get (``GroupedLinear.plan`` on stand-ins)."""
@@ -831,3 +837,34 @@ class GroupedMLP(nn.Module):
                     mods.append(copy.deepcopy(self.activations[k]))
             out.append(nn.Sequential(*mods))
         return out
+
+
+def _traced_measured_choice(model: GroupedMLP, rows: int, grad: bool, input_grad: bool) -> bool:
+    """:meth:`GroupedMLP._measured_choice` for ``rows`` input rows, outside dynamo's trace.
+
+    Dynamo calls it once per traced graph and records its answer as a constant (it is marked
+    as ``torch.compiler.assume_constant_result`` marks, see ``nn/linear.py``): the planning
+    code (caches, the table) is Python that a graph should not contain. ``grad`` and
+    ``input_grad``: the grad mode and whether the input requires grad where the call was
+    traced (the plans depend on whether autograd records each layer).
+    """
+    first = model.layers[0]
+    stand_in = torch.empty((), dtype=first.weight.dtype, device=first.weight.device)
+    with torch.set_grad_enabled(grad):
+        stand_in.requires_grad_(input_grad and stand_in.is_floating_point())
+        return model._measured_choice(stand_in.expand(rows, first.in_features))[0]
+
+
+_traced_measured_choice._dynamo_marked_constant = True
+
+
+def _concrete(n) -> bool:
+    """Whether ``n`` is a number, not a symbol, in the graph dynamo is tracing.
+
+    Dynamo answers ``isinstance(n, int)`` with True for a symbolic size too, so the test is
+    whether comparisons with it are decided: for a number every one is, for a symbolic size
+    (a range of at least two values) one with a value inside its range is not.
+    """
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # only ever traced
+
+    return statically_known_true(n == 7) or statically_known_true(n != 7)
