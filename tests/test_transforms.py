@@ -742,18 +742,20 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, chain_
     torch.testing.assert_close(y, _heads_output(model, x))
 
 
+@pytest.mark.parametrize("lo", [2, 16])
 @pytest.mark.parametrize("strategy", ["auto", "fm_chain"])
-def test_exported_mlp_runs_the_chain_on_cpu(strategy, chain_spy):
+def test_exported_mlp_runs_the_chain_on_cpu(strategy, lo, chain_spy):
     # torch.export traces with FakeTensor parameters: they count as plain, so the exported
-    # program is the chain (torch ops only), with a dynamic batch.
+    # program is the chain (torch ops only), with a dynamic batch (whatever its range: the
+    # batch is told from a number by comparisons, nn/mlp.py's _concrete).
     model = _mlp("auto")
     model.strategy = strategy
-    x = torch.randn(5, 6, dtype=torch.float64)
-    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+    x = torch.randn(lo + 3, 6, dtype=torch.float64)
+    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=lo, max=64)}})
     assert chain_spy, "the export traced the layers"
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert not any(op.startswith("blockdiag.") for op in ops) and "aten.baddbmm.default" in ops, sorted(ops)
-    for n in (3, 17):
+    for n in (lo + 1, lo + 17):
         x = torch.randn(n, 6, dtype=torch.float64)
         torch.testing.assert_close(ep.module()(x), _heads_output(model, x))
 

@@ -862,9 +862,18 @@ def _concrete(n) -> bool:
     """Whether ``n`` is a number, not a symbol, in the graph dynamo is tracing.
 
     Dynamo answers ``isinstance(n, int)`` with True for a symbolic size too, so the test is
-    whether comparisons with it are decided: for a number every one is, for a symbolic size
-    (a range of at least two values) one with a value inside its range is not.
+    whether comparisons with it are decided: for a number every one is; for a symbolic size
+    (a range ``[lo, hi]`` of two values or more) ``n == v`` is not where ``lo <= v <= hi``.
+    The probes are the powers of two, with ``n <= v`` too: a range strictly between two
+    consecutive ones (``[17, 31]``) would pass for a number, and the planning would then
+    refuse its symbol loudly.
     """
     from torch.fx.experimental.symbolic_shapes import statically_known_true  # only ever traced
 
-    return statically_known_true(n == 7) or statically_known_true(n != 7)
+    for k in range(63):
+        v = 1 << k
+        if not (statically_known_true(n == v) or statically_known_true(n != v)):
+            return False
+        if not (statically_known_true(n <= v) or statically_known_true(n > v)):
+            return False
+    return True
