@@ -44,6 +44,7 @@ import blockdiag
 from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
+from blockdiag.nn import mlp as mlp_module
 
 from _params import DTYPES, backend_spy, backends_and_auto, require_backend
 
@@ -715,11 +716,19 @@ def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy, table_prefe
         assert "blockdiag.fm_rows.default" not in no_grad_graph, sorted(no_grad_graph)
 
 
+# The grouped layers' forward FLOPs of _mlp at 5 rows: 2*5*3*(4*4 + 4*2) (the shared first
+# layer, groups=1, is not counted).
+_MLP_GROUPED_FLOPS_AT_5 = 720
+
+
+@pytest.mark.parametrize("floor", [pytest.param(_MLP_GROUPED_FLOPS_AT_5, id="at-floor"),
+                                   pytest.param(_MLP_GROUPED_FLOPS_AT_5 + 1, id="below-floor")])
 @pytest.mark.parametrize("table_says", [pytest.param(True, id="chain"), pytest.param(False, id="layers")])
-def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, chain_spy, monkeypatch):
+def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, floor, chain_spy, monkeypatch):
     # A graph traced at a concrete batch follows eager auto's decision at that batch (the
-    # table's); a graph serving every batch size cannot read the table and runs the CPU's
-    # device rule, the chain. Both compute the heads' result.
+    # table's) where the grouped products reach TRACED_LAYERS_MIN_FLOPS, and the CPU's device
+    # rule (the chain) below it; a graph serving every batch size cannot read the table and
+    # runs the device rule. All compute the heads' result.
     asked = []
 
     def choice(self, x):
@@ -727,12 +736,14 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, chain_
         return table_says, "test: the table's answer", 1.0, 2.0, self._layer_plans(x)
 
     monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
+    monkeypatch.setattr(mlp_module, "TRACED_LAYERS_MIN_FLOPS", floor)
     model = _mlp("auto")
     torch._dynamo.reset()
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     chain_spy.clear()
     y = torch.compile(model, fullgraph=True, dynamic=False)(x)
-    assert bool(chain_spy) == table_says and asked == [(5, True)], (chain_spy, asked)
+    follows = floor <= _MLP_GROUPED_FLOPS_AT_5
+    assert bool(chain_spy) == (table_says or not follows) and asked == [(5, True)], (chain_spy, asked)
     torch.testing.assert_close(y, _heads_output(model, x))
     torch._dynamo.reset()
     chain_spy.clear()

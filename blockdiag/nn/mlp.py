@@ -190,6 +190,18 @@ CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
 # slower where the layer's own backend is not one of these (``simd``): there the layers run.
 CHAIN_KERNELS = frozenset({"bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"})
 
+# A graph traced at a concrete batch decides as eager ``auto`` does only where its grouped
+# layers' forward products come to at least this many FLOPs; below, it keeps the device rule
+# of a symbolic batch (the chain on a device type in CHAIN_WHEREVER_ALLOWED).
+# In a compiled graph each layer is an opaque op (a C kernel's, or ``blockdiag::auto``) with
+# a fixed cost per call, forward and backward, and its activation is not fused with the
+# products, while the chain's torch ops are fused by the compiler: the layers' gain grows
+# with the work and their cost does not. Measured with ``blockdiag bench --compiled`` over
+# the 33-shape grid, MLP model, both rules (docs/results/mlp-traced-strategy-avx512.json):
+# following eager made every point below 1e6 FLOPs slower (1.05-1.32x), points from 1e6 to
+# 1e7 went either way (0.88-1.10x), and every point above 1e7 faster or level (0.68-1.01x).
+TRACED_LAYERS_MIN_FLOPS = 10_000_000
+
 
 class GroupedMLP(nn.Module):
     """``heads`` independent MLPs ``in -> hidden... -> out``, computed together.
@@ -222,11 +234,13 @@ class GroupedMLP(nn.Module):
     - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
       ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
-      no ``torch.func`` transform or autocast is active and the batch is not empty. Under a
-      ``torch.compile`` or ``torch.export`` trace the table is not read: on a device type in
-      ``CHAIN_WHEREVER_ALLOWED`` the chain runs wherever it is allowed, elsewhere the
-      layers run, each planned as ``auto`` plans in a traced graph, so one graph serves
-      every batch size. Faster: the measured table (the one
+      no ``torch.func`` transform or autocast is active and the batch is not empty. A
+      ``torch.compile`` or ``torch.export`` trace with a symbolic batch (one graph for every
+      batch size) does not read the table: on a device type in ``CHAIN_WHEREVER_ALLOWED``
+      the chain runs wherever it is allowed, elsewhere the layers run, each planned as
+      ``auto`` plans in a traced graph. A trace at a concrete batch decides as eager does
+      where the grouped layers' products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, and
+      by that device rule below. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
@@ -511,8 +525,10 @@ class GroupedMLP(nn.Module):
 
         A graph traced at a concrete batch (the first one ``torch.compile`` makes, or every one
         with ``dynamic=False``) decides as eager ``auto`` does at that batch, from the table
-        (:meth:`_measured_choice`, called outside the trace and recorded as a constant); the
-        graph is guarded on :data:`blockdiag.settings.generation`, so a settings, profile or
+        (:meth:`_measured_choice`, called outside the trace and recorded as a constant), where
+        its grouped products come to ``TRACED_LAYERS_MIN_FLOPS`` or more; below, it keeps the
+        device rule (each layer's op costs a compiled graph more than the fused chain there).
+        The graph is guarded on :data:`blockdiag.settings.generation`, so a settings, profile or
         registry change recompiles it. A graph serving every batch size (a symbolic batch)
         cannot read the table, whose answer depends on the batch: on a device type in
         ``CHAIN_WHEREVER_ALLOWED`` it runs the chain wherever it is allowed, elsewhere the
@@ -846,13 +862,17 @@ def _traced_measured_choice(model: GroupedMLP, rows: int, grad: bool, input_grad
     as ``torch.compiler.assume_constant_result`` marks, see ``nn/linear.py``): the planning
     code (caches, the table) is Python that a graph should not contain. ``grad`` and
     ``input_grad``: the grad mode and whether the input requires grad where the call was
-    traced (the plans depend on whether autograd records each layer).
+    traced (the plans depend on whether autograd records each layer). Below
+    ``TRACED_LAYERS_MIN_FLOPS`` the answer is the device rule instead (see there).
     """
     first = model.layers[0]
     stand_in = torch.empty((), dtype=first.weight.dtype, device=first.weight.device)
     with torch.set_grad_enabled(grad):
         stand_in.requires_grad_(input_grad and stand_in.is_floating_point())
-        return model._measured_choice(stand_in.expand(rows, first.in_features))[0]
+        chain, _, _, _, plans = model._measured_choice(stand_in.expand(rows, first.in_features))
+    if sum(p.problem.flops for p in plans if p.problem.groups > 1) >= TRACED_LAYERS_MIN_FLOPS:
+        return chain
+    return first.weight.device.type in CHAIN_WHEREVER_ALLOWED  # the device rule, as at a symbolic batch
 
 
 _traced_measured_choice._dynamo_marked_constant = True
