@@ -627,6 +627,42 @@ def mlp_strategy_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def mlp_traced_markdown(name: str) -> str:
+    """A compiled ``GroupedMLP`` at a static batch under each traced rule, per point of the compiled grid."""
+    d = _load(name)
+    rules = d["rules"]
+    out = [
+        (f"**What**: {d['what']}. **Machine**: {d['machine']}. **Command** (each point, at each rule's "
+         f"commit): `{d['command']}`. The rules:"),
+        "",
+        *(f"- *{r['name']}* (`{r['commit']}`): {r['rule']};" for r in rules),
+        "",
+        ("Each cell is the compiled training step, and in brackets its time over the best compiled peer "
+         "(the `nn.Linear` loop or `vmap`, timed in the same run: above 1 is slower than it). The last column "
+         f"is *{rules[1]['name']}* over *{rules[0]['name']}*. Rows are ordered by the grouped layer's forward "
+         "FLOPs, which `TRACED_LAYERS_MIN_FLOPS` is compared with."),
+        "",
+        "| batch | groups | block | grouped FLOPs | eager | " + " | ".join(r["name"] for r in rules)
+        + f" | {rules[1]['name']} / {rules[0]['name']} |",
+        "|---" * (6 + len(rules)) + "|",
+    ]
+    for row in d["rows"]:
+        cells = []
+        for r in rules:
+            c = row["compiled"].get(r["name"])
+            cells.append("-" if c is None else f"{c['us'] / 1000:.2f} ms ({c['over_best_peer']:.2f})")
+        a, b = row["compiled"].get(rules[0]["name"]), row["compiled"].get(rules[1]["name"])
+        ratio = "-" if a is None or b is None else f"{b['us'] / a['us']:.2f}"
+        out.append(f"| {row['batch']} | {row['groups']} | {row['block_in']}x{row['block_out']} | "
+                   f"{row['grouped_flops']:.2e} | {row['eager_us'] / 1000:.2f} ms | " + " | ".join(cells) + f" | {ratio} |")
+    out += ["", "| rule | points slower than the best compiled peer | speed-up over it, geometric mean |", "|---|---|---|"]
+    for r in rules:
+        sm = d["summary"][r["name"]]
+        out.append(f"| {r['name']} | {sm['slower_than_best_peer']} of {sm['points']} | {sm['geomean_speedup_over_best_peer']:.3f}x |")
+    out.append("")
+    return "\n".join(out)
+
+
 def asv_time_noise_markdown(name: str) -> str:
     """Three asv runs of unchanged code: how far each time benchmark family moved."""
     d = _load(name)
@@ -789,6 +825,7 @@ _FILE_MARKERS = {
     "bench-summaries": bench_summaries_markdown,
     "allocator": allocator_markdown,
     "mlp-strategy": mlp_strategy_markdown,
+    "mlp-traced": mlp_traced_markdown,
     "asv-time-noise": asv_time_noise_markdown,
     "asv-history": asv_history_markdown,
     "asv-stability": asv_stability_markdown,
