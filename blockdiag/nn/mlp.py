@@ -196,10 +196,10 @@ CHAIN_KERNELS = frozenset({"bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"})
 # In a compiled graph each layer is an opaque op (a C kernel's, or ``blockdiag::auto``) with
 # a fixed cost per call, forward and backward, and its activation is not fused with the
 # products, while the chain's torch ops are fused by the compiler: the layers' gain grows
-# with the work and their cost does not. Measured with ``blockdiag bench --compiled`` over
-# the 33-shape grid, MLP model, both rules (docs/results/mlp-traced-strategy-avx512.json):
-# following eager made every point below 1e6 FLOPs slower (1.05-1.32x), points from 1e6 to
-# 1e7 went either way (0.88-1.10x), and every point above 1e7 faster or level (0.68-1.01x).
+# with the work and their cost does not. ``blockdiag bench --compiled`` over the whole grid
+# with each rule (docs/results/mlp-traced-strategy-avx512.json, ordered by these FLOPs):
+# following eager everywhere made the smallest points slower, the largest faster or level,
+# and the points between went either way; the floor sits above them.
 TRACED_LAYERS_MIN_FLOPS = 10_000_000
 
 
