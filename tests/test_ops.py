@@ -118,18 +118,6 @@ def test_kernel_overload_is_the_op_without_autograd(name):
     torch.testing.assert_close(kernel(*args), packet.default(*args), rtol=0, atol=0)
 
 
-def test_fm_rows_kernel_overload_is_the_op_without_autograd():
-    from blockdiag.ops._define import KERNEL_OVERLOAD
-
-    packet = torch.ops.blockdiag.fm_rows
-    kernel = getattr(packet, KERNEL_OVERLOAD)
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "Autograd")
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key(kernel.name(), "Autograd")
-    h, w, b = torch.randn(3, 4, 5), torch.randn(3, 2, 4), torch.randn(6)
-    torch.library.opcheck(kernel, (h, w, b), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    torch.testing.assert_close(kernel(h, w, b), packet.default(h, w, b), rtol=0, atol=0)
-
-
 # opcheck's AOT-dispatch check (make_fx and AOTAutograd with dynamic shapes) costs about as
 # much as all the others together, so it runs on two of the eight dtype x grad x bias cases
 # (one per dtype, one with autograd, one without) and on the second shape; every case gets the
