@@ -99,25 +99,6 @@ def test_op_schemas(name):
     )
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_kernel_overload_is_the_op_without_autograd(name):
-    # blockdiag::<name>.kernel: the op's schema, kernel and fake kernel, and no Python kernel
-    # at the Autograd key (torch's C++ fallback runs there), which is why a traced graph is
-    # given it; the same result as the op.
-    require_backend(name)
-    from blockdiag.ops._define import KERNEL_OVERLOAD
-
-    packet = getattr(torch.ops.blockdiag, name)
-    kernel = getattr(packet, KERNEL_OVERLOAD)
-    assert str(kernel._schema) == str(packet.default._schema).replace(f"{name}(", f"{name}.{KERNEL_OVERLOAD}(", 1)
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "Autograd")
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key(kernel.name(), "Autograd")
-    x, w, b = _operands(SHAPE, torch.float32, False, True)
-    args = _fwd_args(name, x, w, b, False)
-    torch.library.opcheck(kernel, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    torch.testing.assert_close(kernel(*args), packet.default(*args), rtol=0, atol=0)
-
-
 # opcheck's AOT-dispatch check (make_fx and AOTAutograd with dynamic shapes) costs about as
 # much as all the others together, so it runs on two of the eight dtype x grad x bias cases
 # (one per dtype, one with autograd, one without) and on the second shape; every case gets the

@@ -45,7 +45,6 @@ from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
 from blockdiag.nn import mlp as mlp_module
-from blockdiag.ops import entries
 
 from _params import DTYPES, backend_spy, backends_and_auto, require_backend
 
@@ -349,10 +348,7 @@ def test_compiled_auto_inlines_a_torch_ops_choice_at_a_static_batch(batch_varyin
         for key in want:
             assert torch.equal(got[key], want[key]), f"batch {n} dynamic={dynamic}: {key} differs from eager auto's"
         (ops,) = seen
-        # The op's autograd runs the product through its autograd-free overload: that is what
-        # the forward graph calls, never the op's Python autograd kernel.
-        opaque = "blockdiag.auto.kernel" in ops
-        assert "blockdiag.auto.default" not in ops, sorted(ops)
+        opaque = "blockdiag.auto.default" in ops
         if dynamic or n == OPAQUE_AT:
             # a graph serving every batch size plans per call; loop is not torch ops
             assert opaque and "aten.convolution.default" not in ops, sorted(ops)
@@ -397,24 +393,6 @@ def _write_winner(winner, batch):
     times[winner] = 1.0
     write(profile.default_profile_path(),
           entry([point(mode="train", batch=batch, groups=G, block_in=I, block_out=O, **times)]))
-
-
-@pytest.mark.parametrize("name", sorted(entries()))
-def test_compiled_graph_calls_the_kernel_overload(name):
-    # A backend's op records its autograd-free overload in the forward graph (the op's
-    # Autograd key is a Python kernel; the overload's is torch's C++ fallback).
-    require_backend(name)
-    w, b = _params(torch.float32)
-    layer = _layer(name, w, b)
-    torch._dynamo.reset()
-    backend, seen = _graph_ops()
-    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
-    got = _run_module(torch.compile(layer, backend=backend), (layer.weight, layer.bias), x, gy)
-    want = _run_module(layer, (layer.weight, layer.bias), x, gy)
-    (ops,) = seen
-    assert f"blockdiag.{name}.kernel" in ops and f"blockdiag.{name}.default" not in ops, sorted(ops)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{name} compiled, {key}: {m}")
 
 
 def test_static_graph_follows_a_settings_change(batch_varying_profile):
@@ -733,9 +711,9 @@ def test_compiled_mlp_training_writes_rows(dtype, shared, chain_spy, table_prefe
         assert not no_grad.is_contiguous(), no_grad.stride()
         assert graphs <= 3, f"{graphs} graphs"
         *train_graphs, no_grad_graph = seen
-        assert train_graphs and all(("blockdiag.fm_rows.kernel" in ops) == rows for ops in train_graphs), \
+        assert train_graphs and all(("blockdiag.fm_rows.default" in ops) == rows for ops in train_graphs), \
             [sorted(ops) for ops in train_graphs]
-        assert not {"blockdiag.fm_rows.kernel", "blockdiag.fm_rows.default"} & no_grad_graph, sorted(no_grad_graph)
+        assert "blockdiag.fm_rows.default" not in no_grad_graph, sorted(no_grad_graph)
 
 
 # The grouped layers' forward FLOPs of _mlp at 5 rows: 2*5*3*(4*4 + 4*2) (the shared first
@@ -876,9 +854,8 @@ for name in backends:
     except blockdiag.BlockDiagError as e:
         out = dict(result="refused", message=str(e))
     report(name=name, **out)
-# Compiled auto with DTensor parameters: the graph keeps blockdiag::auto (its sharding rules;
-# the graph calls its autograd-free overload), not the chosen backend's torch ops on global
-# DTensors.
+# Compiled auto with DTensor parameters: the graph keeps blockdiag::auto (its sharding rules),
+# not the chosen backend's torch ops on global DTensors.
 print("START auto compiled", flush=True)
 layer = blockdiag.GroupedLinear(G * I, G * O, G)
 w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -894,7 +871,7 @@ def backend(gm, inputs):
     return aot_module_simplified(gm, inputs, fw_compiler=fw, bw_compiler=lambda g, _: make_boxed_func(g.forward))
 y = torch.compile(layer, backend=backend)(distribute_tensor(x, mesh, [Replicate()]))
 ref = reference_loop(x.double(), w.double(), b.double())
-report(name="auto compiled", result="ok" if "blockdiag.auto.kernel" in seen else f"graph ops: {sorted(set(seen))}",
+report(name="auto compiled", result="ok" if "blockdiag.auto.default" in seen else f"graph ops: {sorted(set(seen))}",
        forward=max_err(full(y), ref), shape=list(y.shape))
 dist.destroy_process_group()
 """

@@ -3,9 +3,7 @@
 For a backend ``name`` this module defines, in the ``blockdiag`` op namespace:
 
 * ``blockdiag::<name>(Tensor x, Tensor weight, Tensor? bias) -> Tensor``, the forward product
-  of a 2-D ``x [N, G*in]``, and its overload ``blockdiag::<name>.kernel`` (the same product
-  without autograd: what the op's autograd runs, and so what traced graphs call; see
-  :data:`KERNEL_OVERLOAD`);
+  of a 2-D ``x [N, G*in]``;
 * ``blockdiag::<name>_backward(Tensor grad, Tensor x, Tensor weight, bool has_bias,
   bool need_input, bool need_weight) -> (Tensor, Tensor, Tensor)``, the first-order
   gradients of input, weight and bias (one not asked for comes back with 0 elements).
@@ -43,7 +41,7 @@ from torch.autograd import forward_ad as _fwad
 
 from .._errors import BlockDiagError
 
-__all__ = ["KERNEL_OVERLOAD", "LIB", "OpEntry", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
+__all__ = ["LIB", "OpEntry", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
 
 LIB = torch.library.Library("blockdiag", "DEF")
 
@@ -52,15 +50,6 @@ BACKWARD_SCHEMA = (
     "(Tensor grad, Tensor x, Tensor weight, bool has_bias, bool need_input, bool need_weight) "
     "-> (Tensor, Tensor, Tensor)"
 )
-
-# Each forward op ``blockdiag::<name>`` has a second overload, ``<name>.kernel``: the same
-# schema, kernels and fake kernel, and no autograd of its own. The op's autograd (a Python
-# kernel at its Autograd key) runs the product through it below autograd, so that is what a
-# traced graph records: a compiled graph then calls an op whose Autograd key is torch's C++
-# fallback rather than a Python function (whose round trip costs about as much as a small
-# product). Called directly with operands that require grad, it records nothing
-# differentiable (torch warns at backward): ``blockdiag::<name>`` is the op to call.
-KERNEL_OVERLOAD = "kernel"
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ENTRIES: dict[str, "OpEntry"] = {}
@@ -204,7 +193,6 @@ class OpEntry:
 
     def __post_init__(self) -> None:
         self.fwd_op = None
-        self.kernel_op = None
         self.bwd_op = None
         self._eager_fn = None
         self._op_fn = None
@@ -427,7 +415,7 @@ def _functions(entry: OpEntry) -> None:
         def forward(ctx, x, weight, bias, keyset):
             _setup(ctx, (x, weight, bias), None)
             with torch._C._AutoDispatchBelowAutograd():
-                return entry.kernel_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+                return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
 
         @staticmethod
         def backward(ctx, gy):
@@ -514,27 +502,22 @@ def define(entry: OpEntry) -> OpEntry:
     if name in _ENTRIES:
         raise BlockDiagError(f"define: an op for backend {name!r} is already defined")
     LIB.define(name + FORWARD_SCHEMA)
-    LIB.define(name + "." + KERNEL_OVERLOAD + FORWARD_SCHEMA)
     LIB.define(name + "_backward" + BACKWARD_SCHEMA)
-    packet = getattr(torch.ops.blockdiag, name)
-    entry.fwd_op = packet.default
-    entry.kernel_op = getattr(packet, KERNEL_OVERLOAD)
+    entry.fwd_op = getattr(torch.ops.blockdiag, name).default
     entry.bwd_op = getattr(torch.ops.blockdiag, name + "_backward").default
-    for overload in ("", "." + KERNEL_OVERLOAD):
-        LIB.impl(name + overload, entry._impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"blockdiag::{name}{overload}", entry._fake, lib=LIB)
+    LIB.impl(name, entry._impl, "CompositeExplicitAutograd")
     LIB.impl(name + "_backward", entry._bwd_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"blockdiag::{name}", entry._fake, lib=LIB)
     torch.library.register_fake(f"blockdiag::{name}_backward", entry._bwd_fake, lib=LIB)
     _functions(entry)
 
     def autograd_kernel(keyset, x, weight, bias):
         if _records(x, weight, bias) or _fwad._current_level >= 0:
             return entry._op_fn.apply(x, weight, bias, keyset)
-        return entry.kernel_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+        return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
 
     LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.fwd_op), lib=LIB)
-    torch.library.register_vmap(f"blockdiag::{name}.{KERNEL_OVERLOAD}", _vmap_rule(entry.kernel_op), lib=LIB)
     _register_flops(entry.fwd_op, entry.bwd_op)
     _ENTRIES[name] = entry
     return entry

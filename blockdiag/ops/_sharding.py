@@ -158,8 +158,7 @@ def _register_strategies() -> bool:
     # ``need_input``, ``need_weight``) is part of the sharding cache key.
     info = RuntimeSchemaInfo(static_argnum=3, needs_pytree=True)
     for name in _names():
-        for op in _forward_overloads(name):
-            propagator.register_op_strategy(op, forward, info)
+        propagator.register_op_strategy(getattr(torch.ops.blockdiag, name).default, forward, info)
         propagator.register_op_strategy(getattr(torch.ops.blockdiag, name + "_backward").default, backward, info)
     return True
 
@@ -176,17 +175,8 @@ def _register_sharding() -> None:
         return [(s[:3], s[3:]) for s in _backward_strategies(weight.tensor_meta.shape[0])]
 
     for name in _names():
-        for op in _forward_overloads(name):
-            register_sharding(op)(forward_rule)
+        register_sharding(getattr(torch.ops.blockdiag, name).default)(forward_rule)
         register_sharding(getattr(torch.ops.blockdiag, name + "_backward").default)(backward_rule)
-
-
-def _forward_overloads(name: str) -> list:
-    """The forward op of backend ``name`` and its autograd-free ``kernel`` overload (see ``_define``)."""
-    from ._define import KERNEL_OVERLOAD
-
-    packet = getattr(torch.ops.blockdiag, name)
-    return [packet.default, getattr(packet, KERNEL_OVERLOAD)]
 
 
 def _names() -> list[str]:

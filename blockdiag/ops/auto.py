@@ -38,7 +38,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .. import settings as _settings
 from ..backends import Problem, get
 from ._define import (
-    KERNEL_OVERLOAD,
     _ENTRIES,
     _PLAIN,
     BACKWARD_SCHEMA,
@@ -58,11 +57,9 @@ from ._define import (
 __all__ = ["auto", "auto_inline", "choice"]
 
 LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
-LIB.define(f"auto.{KERNEL_OVERLOAD}(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 LIB.define("auto_backward" + BACKWARD_SCHEMA)
 LIB.define("auto_inline(Tensor x, Tensor weight, Tensor? bias, bool train, str state=\"\") -> Tensor")
 FORWARD = torch.ops.blockdiag.auto.default
-KERNEL = getattr(torch.ops.blockdiag.auto, KERNEL_OVERLOAD)  # what the op's autograd runs (see _define)
 BACKWARD = torch.ops.blockdiag.auto_backward.default
 INLINE = torch.ops.blockdiag.auto_inline.default
 
@@ -167,7 +164,7 @@ class _OpAutograd(torch.autograd.Function):
     def forward(ctx, x, weight, bias, train, keyset):
         _setup(ctx, (x, weight, bias), None)
         with torch._C._AutoDispatchBelowAutograd():
-            return KERNEL.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
+            return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
 
     @staticmethod
     def backward(ctx, gy):
@@ -205,16 +202,13 @@ _Functorch = _named(_Functorch, "auto_Func")
 def _autograd_kernel(keyset, x, weight, bias, train):
     if _records(x, weight, bias) or _fwad._current_level >= 0:
         return _OpAutograd.apply(x, weight, bias, train, keyset)
-    return KERNEL.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
+    return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
 
 
-def _vmap(op):
-    def rule(info, in_dims, x, weight, bias, train):
-        from ._define import _vmap_rule
+def _vmap(info, in_dims, x, weight, bias, train):
+    from ._define import _vmap_rule
 
-        return _vmap_rule(lambda a, b, c: op(a, b, c, train))(info, in_dims[:3], x, weight, bias)
-
-    return rule
+    return _vmap_rule(lambda a, b, c: FORWARD(a, b, c, train))(info, in_dims[:3], x, weight, bias)
 
 
 def _inline(x, weight, bias, train, state=""):
@@ -259,15 +253,13 @@ def _is_subclass(t) -> bool:
     return t is not None and is_traceable_wrapper_subclass(t)
 
 
-for _overload in ("auto", f"auto.{KERNEL_OVERLOAD}"):
-    LIB.impl(_overload, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"blockdiag::{_overload}", _fake, lib=LIB)
+LIB.impl("auto", _impl, "CompositeExplicitAutograd")
 LIB.impl("auto_inline", _inline, "CompositeImplicitAutograd")
 LIB.impl("auto_backward", _bwd_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
 torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
 LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
-torch.library.register_vmap("blockdiag::auto", _vmap(FORWARD), lib=LIB)
-torch.library.register_vmap(f"blockdiag::auto.{KERNEL_OVERLOAD}", _vmap(KERNEL), lib=LIB)
+torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
 
 
 def _register_flops() -> None:

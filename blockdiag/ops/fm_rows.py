@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from ._define import KERNEL_OVERLOAD, LIB, _jvp, _named, _records
+from ._define import LIB, _jvp, _named, _records
 
 __all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
 LIB.define("fm_rows(Tensor h, Tensor weight, Tensor? bias) -> Tensor")
-LIB.define(f"fm_rows.{KERNEL_OVERLOAD}(Tensor h, Tensor weight, Tensor? bias) -> Tensor")
 FORWARD = torch.ops.blockdiag.fm_rows.default
-KERNEL = getattr(torch.ops.blockdiag.fm_rows, KERNEL_OVERLOAD)  # what the op's autograd runs (see _define)
 
 
 def write_rows(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +71,7 @@ class _Fn(torch.autograd.Function):
         ctx.save_for_backward(h, weight)
         ctx.save_for_forward(h, weight)
         with torch._C._AutoDispatchBelowAutograd():
-            return KERNEL.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
+            return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -92,24 +90,21 @@ _Fn = _named(_Fn, "fm_rows_Op")
 def _autograd_kernel(keyset, h, weight, bias):
     if _records(h, weight, bias) or torch.autograd.forward_ad._current_level >= 0:
         return _Fn.apply(h, weight, bias, keyset)
-    return KERNEL.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
+    return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
 
 
-def _vmap(op):
-    def rule(info, in_dims, h, weight, bias):
-        # Each vmapped copy becomes more groups of one product: [B, G, ...] -> [B*G, ...].
-        hd, wd, bd = in_dims
-        nb = info.batch_size
-        g, o, i = weight.shape[-3:]
-        hb = h.movedim(hd, 0) if hd is not None else h.expand(nb, *h.shape)
-        wb = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
-        bb = None
-        if bias is not None:
-            bb = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape)).reshape(-1)
-        y = op(hb.reshape(nb * g, i, hb.shape[-1]), wb.reshape(nb * g, o, i), bb)
-        return y.view(y.shape[0], nb, g * o), 1
-
-    return rule
+def _vmap(info, in_dims, h, weight, bias):
+    # Each vmapped copy becomes more groups of one product: [B, G, ...] -> [B*G, ...].
+    hd, wd, bd = in_dims
+    nb = info.batch_size
+    g, o, i = weight.shape[-3:]
+    hb = h.movedim(hd, 0) if hd is not None else h.expand(nb, *h.shape)
+    wb = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+    bb = None
+    if bias is not None:
+        bb = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape)).reshape(-1)
+    y = FORWARD(hb.reshape(nb * g, i, hb.shape[-1]), wb.reshape(nb * g, o, i), bb)
+    return y.view(y.shape[0], nb, g * o), 1
 
 
 def _flops(h_shape, w_shape, *args, **kwargs) -> int:
@@ -117,12 +112,10 @@ def _flops(h_shape, w_shape, *args, **kwargs) -> int:
     return 2 * h_shape[2] * g * i * o
 
 
-for _overload in ("fm_rows", f"fm_rows.{KERNEL_OVERLOAD}"):
-    LIB.impl(_overload, write_rows, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"blockdiag::{_overload}", _fake, lib=LIB)
+LIB.impl("fm_rows", write_rows, "CompositeExplicitAutograd")
+torch.library.register_fake("blockdiag::fm_rows", _fake, lib=LIB)
 LIB.impl("fm_rows", _autograd_kernel, "Autograd", with_keyset=True)
-torch.library.register_vmap("blockdiag::fm_rows", _vmap(FORWARD), lib=LIB)
-torch.library.register_vmap(f"blockdiag::fm_rows.{KERNEL_OVERLOAD}", _vmap(KERNEL), lib=LIB)
+torch.library.register_vmap("blockdiag::fm_rows", _vmap, lib=LIB)
 
 
 def _register_flops() -> None:
