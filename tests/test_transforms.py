@@ -395,6 +395,28 @@ def _write_winner(winner, batch):
           entry([point(mode="train", batch=batch, groups=G, block_in=I, block_out=O, **times)]))
 
 
+@pytest.mark.parametrize("name", ["simd", "bmm", "loop"])
+def test_exported_backend_op_decomposes_saves_and_loads(name, tmp_path):
+    # An exported layer records the backend's op, and so do its decompositions (the
+    # ATen-level program a runtime takes): the op itself, whose autograd a training step
+    # through the decomposed program needs. It saves, loads and runs at another batch size.
+    require_backend(name)
+    w, b = _params(torch.float32)
+    layer = _layer(name, w, b)
+    x0 = torch.randn(N, G * I)
+    ep = torch.export.export(layer, (x0,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+    decomposed = ep.run_decompositions()
+    ops = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert f"blockdiag.{name}.default" in ops, sorted(ops)
+    path = tmp_path / "layer.pt2"
+    torch.export.save(decomposed, path)
+    module = torch.export.load(path).module()
+    p = dict(module.named_parameters())
+    x, gy = torch.randn(7, G * I), torch.randn(7, G * O)
+    _check(_run_module(module, (p["weight"], p["bias"]), x, gy), _reference(x, w, b, gy), torch.float32,
+           f"{name} exported, decomposed, saved and loaded")
+
+
 def test_static_graph_follows_a_settings_change(batch_varying_profile):
     w, b = _params(torch.float32)
     layer = _layer("auto", w, b)

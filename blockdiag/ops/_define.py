@@ -411,6 +411,11 @@ def _functions(entry: OpEntry) -> None:
     class OpAutograd(torch.autograd.Function):
         # Applied by the op's Autograd kernel: the forward re-enters the dispatcher below
         # autograd, so fake/meta/functional tensors reach the fake kernel, never the kernel.
+        # It re-enters the same op, so a graph traced below autograd records the op itself:
+        # an exported program's decompositions then stay differentiable when run. (An
+        # autograd-free overload recorded instead spared compiled graphs this Python kernel
+        # per call, but made those programs fail in backward: tests/test_transforms.py's
+        # test_exported_backend_op_decomposes_saves_and_loads.)
         @staticmethod
         def forward(ctx, x, weight, bias, keyset):
             _setup(ctx, (x, weight, bias), None)
