@@ -6,6 +6,7 @@ import argparse
 import math
 import textwrap
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Union
 
 import torch
 
@@ -73,27 +74,68 @@ def throughput(device: str) -> tuple[float, str]:
     return ACCELERATOR_FLOPS, f"{ACCELERATOR_FLOPS / 1e12:g} TFLOP/s"
 
 
-def estimate_seconds(point_flops: Sequence[float], steps: int, rounds: int, min_time: float, device: str) -> float:
-    """The model of :func:`estimate_line`, in seconds."""
+# What one call costs per group, whatever its FLOPs: at many tiny groups (65536 1x1 blocks)
+# every call is this and nothing like its FLOP time. Per (training step?): the kernels' work
+# per group (the layouts, the per-group GEMM set-up), and a step that calls torch once per
+# group from Python (``Backend.loops_groups``, the nn.Linear loop baseline). Measured with
+# ``blockdiag bench --batch 256 --groups 65536 --blocks 1x1`` on the project's 2-core CPU:
+# forward 50-117 ms for the backends (0.8-1.8 us a group), 680 ms for ``loop`` and the
+# nn.Linear loop (10 us); a training step 136-300 ms (2-4.5 us), 1.0-5.5 s for the loops
+# (15-83 us).
+GROUP_S = {False: 1e-6, True: 3e-6}
+LOOP_GROUP_S = {False: 10e-6, True: 40e-6}
+
+
+class PointCost(NamedTuple):
+    """What one call at a point does, for the duration estimate."""
+
+    flops: float
+    groups: int = 1
+    train: bool = False
+
+
+def call_seconds(point: PointCost, rate: float, loops: bool = False) -> float:
+    """One call's time in the model: its FLOPs at ``rate``, at least its per-group cost."""
+    per_group = (LOOP_GROUP_S if loops else GROUP_S)[point.train]
+    return max(point.flops / rate, point.groups * per_group)
+
+
+def estimate_seconds(points: Sequence[Union[PointCost, float]], steps: int, rounds: int, min_time: float,
+                     device: str, loops: int = 0) -> float:
+    """The model of :func:`estimate_line`, in seconds.
+
+    ``points``: one :class:`PointCost` per point (a number: its FLOPs alone); ``steps``: the
+    steps timed at each point, of which ``loops`` loop over the groups in Python.
+    """
     rate, _ = throughput(device)
     per = max(min_time, _MIN_SAMPLE_S)
-    sample = sum(f / rate if f / rate >= per else _SHORT_SAMPLE * per for f in point_flops)
-    return sample * steps * (rounds + _CALIBRATION_SAMPLES)
+
+    def sample(call: float) -> float:
+        return call if call >= per else _SHORT_SAMPLE * per
+
+    total = 0.0
+    for p in points:
+        p = p if isinstance(p, PointCost) else PointCost(float(p))
+        total += (steps - loops) * sample(call_seconds(p, rate)) + loops * sample(call_seconds(p, rate, True))
+    return total * (rounds + _CALIBRATION_SAMPLES)
 
 
-def estimate_line(point_flops: Sequence[float], steps: int, what: str, rounds: int, min_time: float,
-                  device: str, extra: str) -> str:
+def estimate_line(points: Sequence[Union[PointCost, float]], steps: int, what: str, rounds: int, min_time: float,
+                  device: str, extra: str, loops: int = 0) -> str:
     """``estimated duration: about ...`` and its basis: ``points x steps x (rounds + 2)``
-    samples, each one call at :func:`throughput` or, for shorter calls, about 2x ``min_time``."""
+    samples, each one call at :func:`throughput` (at least its per-group cost) or, for
+    shorter calls, about 2x ``min_time``."""
     _, basis = throughput(device)
-    seconds = estimate_seconds(point_flops, steps, rounds, min_time, device)
-    samples = len(point_flops) * steps * (rounds + _CALIBRATION_SAMPLES)
+    seconds = estimate_seconds(points, steps, rounds, min_time, device, loops)
+    samples = len(points) * steps * (rounds + _CALIBRATION_SAMPLES)
     per = max(min_time, _MIN_SAMPLE_S)
-    points = f"{len(point_flops)} point{'' if len(point_flops) == 1 else 's'}"
+    n = f"{len(points)} point{'' if len(points) == 1 else 's'}"
     rounds_ = f"{rounds} round{'' if rounds == 1 else 's'}"
-    return (f"estimated duration: {'' if seconds < 1 else 'about '}{duration(seconds)} ({samples} samples: {points} x "
+    return (f"estimated duration: {'' if seconds < 1 else 'about '}{duration(seconds)} ({samples} samples: {n} x "
             f"{steps} {what} x ({rounds_} + {_CALIBRATION_SAMPLES} to calibrate); each one call at "
-            f"{basis}, or about {_SHORT_SAMPLE:g} x {per:g} s for shorter calls; {extra})")
+            f"{basis} and at least {GROUP_S[False] * 1e6:g} us a group ({LOOP_GROUP_S[False] * 1e6:g} us in "
+            f"a Python loop over them; more in training), or about {_SHORT_SAMPLE:g} x {per:g} s for shorter "
+            f"calls; {extra})")
 
 
 # --- tables: one unit per column -------------------------------------------------------------

@@ -420,11 +420,19 @@ def _add_grid_options(sp: argparse.ArgumentParser, default: str, profile_help: s
                                       f"profile.json)")
 
 
-def _point_flops(grid, modes, max_gflop: float) -> list[float]:
-    """One call's FLOPs at each point measured: the grid times the modes, less what
+def _point_costs(grid, modes, max_gflop: float) -> list:
+    """One call's FLOPs and groups at each point measured: the grid times the modes, less what
     ``--max-gflop`` skips (a training step: the forward product and two for backward)."""
-    fwd = [2.0 * n * g * i * o for n in grid.batch for g in grid.groups for i, o in grid.blocks]
-    return [f * (3 if mode == "train" else 1) for mode in modes for f in fwd if f / 1e9 <= max_gflop]
+    pts = [(2.0 * n * g * i * o, g) for n in grid.batch for g in grid.groups for i, o in grid.blocks]
+    return [fmt.PointCost(f * (3 if mode == "train" else 1), g, mode == "train")
+            for mode in modes for f, g in pts if f / 1e9 <= max_gflop]
+
+
+def _looping(names) -> int:
+    """How many of the backends ``names`` loop over the groups in Python (``Backend.loops_groups``)."""
+    from .backends import get
+
+    return sum(get(n).loops_groups for n in names)
 
 
 def _runnable_names(device: str) -> list[str]:
@@ -444,13 +452,14 @@ def cmd_tune(args) -> int:
     _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
     path = args.profile if args.profile is not None else prof.default_profile_path()
     _check_output("--profile" if args.profile is not None else "the default profile", str(path), makes_dirs=True)
-    n_backends = len(args.backends) if args.backends else len(_runnable_names(args.device))
-    flops = _point_flops(grid, modes, args.max_gflop)
+    timed = args.backends or _runnable_names(args.device)
+    n_backends = len(timed)
+    points = _point_costs(grid, modes, args.max_gflop)
     writes = f"{path}" + (f" and the decision map {args.plot}" if args.plot else "")
-    _announce("tune", args, len(flops), modes, writes,
-              fmt.estimate_line(flops, n_backends, "backends", args.repeat, args.min_time, args.device,
+    _announce("tune", args, len(points), modes, writes,
+              fmt.estimate_line(points, n_backends, "backends", args.repeat, args.min_time, args.device,
                                 "pruning the slow backends saves some, refining near-ties and rematching "
-                                "add some"))
+                                "add some", loops=_looping(timed)))
     doc, _ = prof.read_profile(path)
     key = prof.profile_key(args.device, args.dtype)
     old = (doc or {}).get("entries", {}).get(key)
@@ -577,11 +586,13 @@ def _bench_compiled(args, grid, modes) -> int:
 
     bd = ["auto", *dict.fromkeys(args.backends or ())]
     # Per point and model: each blockdiag module eager and compiled, and the compiled peers.
-    flops = _point_flops(grid, modes, args.max_gflop) * len(args.compiled)
+    points = _point_costs(grid, modes, args.max_gflop) * len(args.compiled)
     steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS)))
-    _announce("bench", args, len(flops), modes, args.json or "nothing (no --json)",
-              fmt.estimate_line(flops, steps, "modules", args.repeat, args.min_time, args.device,
-                                "compiling adds seconds to minutes per point"))
+    # The loop of heads, eager and compiled, calls torch once per group.
+    loops = 2 * _looping(n for n in bd if n != "auto") + (0 if args.no_baselines else 2)
+    _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
+              fmt.estimate_line(points, steps, "modules", args.repeat, args.min_time, args.device,
+                                "compiling adds seconds to minutes per point", loops=loops))
     rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
                           backends=args.backends, rounds=args.repeat, min_time=args.min_time,
                           baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
@@ -659,16 +670,19 @@ def cmd_bench(args) -> int:
     if args.compiled:
         with ctx:
             return _bench_compiled(args, grid, modes)
-    n_backends = len(args.backends) if args.backends else len(_runnable_names(args.device))
-    flops = _point_flops(grid, modes, args.max_gflop)
-    # Per point: the backends, auto, auto's choice forced, the ideal GEMM and the baselines.
+    timed = args.backends or _runnable_names(args.device)
+    n_backends = len(timed)
+    points = _point_costs(grid, modes, args.max_gflop)
+    # Per point: the backends, auto, auto's choice forced, the ideal GEMM and the baselines
+    # (of which the nn.Linear loop calls torch once per group).
     steps = n_backends + 3 + (0 if args.no_baselines else 2)
+    loops = _looping(timed) + (0 if args.no_baselines else 1)
     what = f"steps ({n_backends} backends, auto, its kernel, the ideal GEMM" + (
         ")" if args.no_baselines else ", 2 baselines)")
     more = "refining near-ties adds some" + ("" if args.json is None or args.no_memory else
                                              ", --json's peak-memory runs more")
-    _announce("bench", args, len(flops), modes, args.json or "nothing (no --json)",
-              fmt.estimate_line(flops, steps, what, args.repeat, args.min_time, args.device, more))
+    _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
+              fmt.estimate_line(points, steps, what, args.repeat, args.min_time, args.device, more, loops=loops))
     with ctx:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,

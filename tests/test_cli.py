@@ -657,23 +657,44 @@ def test_bench_estimates_its_duration_before_starting(capsys, monkeypatch):
 
 def test_the_duration_estimate_and_its_basis(monkeypatch):
     from blockdiag import _cli_format as fmt
-    from blockdiag.cli import _point_flops
+    from blockdiag.cli import _point_costs
 
     monkeypatch.setattr(fmt.torch, "get_num_threads", lambda: 2)
     # The run the model is calibrated on: tune --full --mode both --max-gflop 20 took 634 s
-    # on the project's 2-core CPU (11 backends).
-    flops = _point_flops(tuning.GRIDS["full"], ("forward", "train"), 20.0)
-    assert len(flops) == 166
-    assert 500 < fmt.estimate_seconds(flops, 11, 5, 1e-2, "cpu") < 800
+    # on the project's 2-core CPU (11 backends, 2 of which loop over the groups).
+    points = _point_costs(tuning.GRIDS["full"], ("forward", "train"), 20.0)
+    assert len(points) == 166
+    assert 500 < fmt.estimate_seconds(points, 11, 5, 1e-2, "cpu", loops=2) < 800
     # Short calls: a sample lasts about 2.2 x --min-time (the repeat count grows 4x at a time).
     assert fmt.estimate_seconds([1.0], 1, 5, 1e-2, "cpu") == pytest.approx(7 * 2.2e-2)
     # Long calls: one call at the assumed rate, 24 GFLOP/s per thread.
     assert fmt.estimate_seconds([48e9], 1, 5, 1e-2, "cpu") == pytest.approx(7.0)
     line = fmt.estimate_line([48e9], 3, "backends", 5, 1e-2, "cpu", "more")
     assert line == ("estimated duration: about 21 s (21 samples: 1 point x 3 backends x (5 rounds + 2 to "
-                    "calibrate); each one call at 24 GFLOP/s x 2 threads, or about 2.2 x 0.01 s for shorter "
-                    "calls; more)")
+                    "calibrate); each one call at 24 GFLOP/s x 2 threads and at least 1 us a group (10 us in "
+                    "a Python loop over them; more in training), or about 2.2 x 0.01 s for shorter calls; more)")
     assert [fmt.duration(s) for s in (0.2, 40, 720, 9000)] == ["under 1 s", "40 s", "12 min", "2.5 h"]
+
+
+def test_the_duration_estimate_counts_the_work_per_group(monkeypatch):
+    from blockdiag import _cli_format as fmt
+    from blockdiag.cli import _looping, _point_costs
+
+    monkeypatch.setattr(fmt.torch, "get_num_threads", lambda: 2)
+    grid = tuning.Grid(batch=(256,), groups=(65536,), blocks=((1, 1),))
+    # `bench --batch 256 --groups 65536 --blocks 1x1` (16 steps: 11 backends, auto, its
+    # kernel, the ideal GEMM, the nn.Linear loop and vmap) took 28 s forward and 108 s for
+    # the training step on the project's 2-core CPU; by FLOPs alone the model said 2 s.
+    # Three of the steps loop over the groups in Python: loop, bmm_fm_loop and the nn.Linear loop.
+    assert _looping(["loop", "bmm_fm_loop", "bmm", "simd"]) == 2
+    for mode, took in (("forward", 28), ("train", 108)):
+        points = _point_costs(grid, (mode,), float("inf"))
+        assert points == [fmt.PointCost(2.0 * 256 * 65536 * (3 if mode == "train" else 1), 65536, mode == "train")]
+        assert fmt.estimate_seconds([p.flops for p in points], 16, 5, 1e-2, "cpu") < took / 10
+        assert took / 2 < fmt.estimate_seconds(points, 16, 5, 1e-2, "cpu", loops=3) < took * 2
+    # Few groups: the FLOPs decide, as before.
+    big = fmt.PointCost(48e9, 4, True)
+    assert fmt.estimate_seconds([big], 1, 5, 1e-2, "cpu", loops=1) == pytest.approx(7.0)
 
 
 def test_a_column_of_times_has_one_unit_chosen_from_its_values():

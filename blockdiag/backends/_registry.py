@@ -113,6 +113,9 @@ class Backend:
             in that group's output (input gradient). ``False`` (``dense``: ``0 * NaN`` is NaN)
             keeps ``auto`` off it unless a dense crossover is set explicitly (see
             :func:`blockdiag.dispatch.settings_exclusion`); naming it still runs it.
+        loops_groups: whether it calls torch once per group from Python (``loop``'s
+            backward, for instance): its time grows with the group count whatever the FLOPs,
+            which the CLI's duration estimate counts.
     """
 
     name: str
@@ -128,6 +131,7 @@ class Backend:
     double_grad: bool = True
     same_forward_as: Optional[str] = None
     isolates_groups: bool = True
+    loops_groups: bool = False
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""

@@ -28,5 +28,6 @@ BACKEND = register(
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
         summary="bmm_fm's forward, loop's backward; wins training at large batch",
         same_forward_as="bmm_fm",
+        loops_groups=True,
     )
 )

@@ -82,6 +82,7 @@ BACKEND = register(
         fn=loop,
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
         summary="one GEMM per group written in place (no cat, in forward or backward); runs every problem",
+        loops_groups=True,
     )
 )
 
