@@ -45,6 +45,20 @@ def chain_spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def heads_spy(monkeypatch):
+    """Counts the calls of the head-by-head strategy."""
+    calls = []
+    inner = GroupedMLP._forward_heads
+
+    def spy(self, x):
+        calls.append(x.shape)
+        return inner(self, x)
+
+    monkeypatch.setattr(GroupedMLP, "_forward_heads", spy)
+    return calls
+
+
 # ---------------------------------------------------------------- the layers are called
 
 
@@ -66,7 +80,11 @@ def test_layer_hooks_fire_forward_and_backward(backend, k, table_prefers_chain):
     y.sum().backward()
     assert seen[-1] == ("bwd", (7, out))
     assert model.plan(x).strategy == "layers"
-    # Forcing the chain would skip the hooks: refused, with the reason.
+    # Forcing the chain or the heads would skip the hooks: refused, with the reason.
+    model.strategy = "heads"
+    with pytest.raises(BlockDiagError, match=rf"strategy='heads' cannot run: layers\[{k}\] has forward or backward "
+                                             r"hooks .* and the heads strategy never calls the layer"):
+        model(x)
     model.strategy = "fm_chain"
     with pytest.raises(BlockDiagError, match=rf"strategy='fm_chain' cannot run: layers\[{k}\] has forward or backward hooks"):
         model(x)
@@ -165,14 +183,15 @@ def test_parametrized_layer_runs_its_parametrization(chain_spy, table_prefers_ch
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "split"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("hidden", [(5, 4), (), (3,)], ids=["2hidden", "nohidden", "1hidden"])
-def test_fm_chain_and_layers_agree(shared, bias, hidden, chain_spy):
-    a = _model("fm_chain", shared=shared, bias=bias, hidden=hidden)
+@pytest.mark.parametrize("strategy", ["fm_chain", "heads"])
+def test_strategies_agree_with_the_layers(strategy, shared, bias, hidden, chain_spy, heads_spy):
+    a = _model(strategy, shared=shared, bias=bias, hidden=hidden)
     b = _model("layers", shared=shared, bias=bias, hidden=hidden)
     b.load_state_dict(a.state_dict())
     x = _x(a, 2, 7)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = a(xa), b(xb)
-    assert len(chain_spy) == 1
+    assert (len(chain_spy), len(heads_spy)) == ((1, 0) if strategy == "fm_chain" else (0, 1))
     torch.testing.assert_close(ya, yb, **F64)
     r = torch.randn_like(ya)
     (ya * r).sum().backward()
@@ -191,12 +210,14 @@ ACTIVATIONS = [
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("mode", ["no_grad", "frozen", "train"])
-def test_fm_chain_in_place_activations_agree_with_the_layers(activation, mode, chain_spy):
-    # Where nothing differentiates the call, the chain applies an activation with an in-place
-    # form on its own hidden tensor; the result is the layers' in every case, the caller's
-    # input is untouched, and training (which needs the activation's input) is unchanged.
+@pytest.mark.parametrize("strategy", ["fm_chain", "heads"])
+def test_in_place_activations_agree_with_the_layers(strategy, activation, mode, chain_spy, heads_spy):
+    # Where nothing differentiates the call, the chain (or each head) applies an activation
+    # with an in-place form on its own hidden tensor; the result is the layers' in every
+    # case, the caller's input is untouched, and training (which needs the activation's
+    # input) is unchanged.
     torch.manual_seed(0)
-    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="fm_chain", dtype=torch.float64)
+    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy=strategy, dtype=torch.float64)
     b = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="layers", dtype=torch.float64)
     b.load_state_dict(a.state_dict())
     if mode == "frozen":
@@ -209,7 +230,7 @@ def test_fm_chain_in_place_activations_agree_with_the_layers(activation, mode, c
         act.forward = lambda h, f=act.forward: called.append(1) or f(h)
     with torch.set_grad_enabled(mode != "no_grad"):
         ya, yb = a(x), b(x)
-    assert chain_spy, "the chain did not run"
+    assert chain_spy if strategy == "fm_chain" else heads_spy, f"{strategy} did not run"
     in_place = mode != "train" and type(a.activations[0]) is not nn.GELU
     assert bool(called) != in_place, (mode, len(called))
     torch.testing.assert_close(ya, yb, **F64)
@@ -222,14 +243,15 @@ def test_fm_chain_in_place_activations_agree_with_the_layers(activation, mode, c
             torch.testing.assert_close(u, v, **F64)
 
 
-def test_fm_chain_runs_an_empty_batch_and_refuses_a_mismatched_input():
-    model = _model("fm_chain")
+@pytest.mark.parametrize("strategy", ["fm_chain", "heads"])
+def test_a_strategy_runs_an_empty_batch_and_refuses_a_mismatched_input(strategy):
+    model = _model(strategy)
     x = _x(model, 0, requires_grad=True)
     y = model(x)
     assert y.shape == (0, 6)
     y.sum().backward()
     assert x.grad.shape == (0, 6)
-    with pytest.raises(BlockDiagError, match=r"strategy='fm_chain' cannot run: layers\[0\]\.weight is torch.float64 on cpu but the input is torch.float32"):
+    with pytest.raises(BlockDiagError, match=rf"strategy='{strategy}' cannot run: layers\[0\]\.weight is torch.float64 on cpu but the input is torch.float32"):
         model(torch.randn(3, 6))
 
 
@@ -238,7 +260,7 @@ def test_strategy_setting():
     assert model.strategy == "auto" and "strategy='auto'" in repr(model)
     model.strategy = "layers"
     assert model.strategy == "layers"
-    with pytest.raises(BlockDiagError, match=r"GroupedMLP.strategy: unknown strategy 'fast'; valid strategies are 'auto', 'layers', 'fm_chain'"):
+    with pytest.raises(BlockDiagError, match=r"GroupedMLP.strategy: unknown strategy 'fast'; valid strategies are 'auto', 'layers', 'fm_chain', 'heads'"):
         model.strategy = "fast"
     with pytest.raises(BlockDiagError, match="unknown strategy"):
         GroupedMLP(4, 3, 2, heads=2, strategy="bmm")
@@ -445,6 +467,18 @@ def test_plan_explains_itself():
     model.strategy = "fm_chain"
     p = model.plan(x)
     assert p.strategy == "fm_chain" and "not used: the chain runs instead" in str(p)
+    model.strategy = "heads"
+    p = model.plan(x)
+    assert p.strategy == "heads" and p.reason == "fixed by the user (strategy='heads')"
+    assert "not used: the heads run instead" in str(p)
+    model.activations[0].register_forward_hook(lambda *a: None)
+    with pytest.raises(BlockDiagError, match=r"strategy='heads' cannot run: activations\[0\] has hooks, which would "
+                                             r"see one head's \[batch, hidden\] at a time"):
+        model.plan(x)
+    model.strategy = "fm_chain"
+    with pytest.raises(BlockDiagError, match=r"strategy='fm_chain' cannot run: activations\[0\] has hooks, which "
+                                             r"would see the chain's feature-major"):
+        model.plan(x)
     model.layers[0].register_forward_hook(lambda *a: None)
     with pytest.raises(BlockDiagError, match=r"GroupedMLP.plan: strategy='fm_chain' cannot run: layers\[0\] has forward"):
         model.plan(x)

@@ -171,7 +171,7 @@ MLP_CASES = [
 
 # "backend/strategy": the auto backend under each GroupedMLP strategy, and every fixed backend
 # (whose layers always run as modules).
-MLP_RUNS = ["auto", "auto/layers", "auto/fm_chain"] + FIXED
+MLP_RUNS = ["auto", "auto/layers", "auto/fm_chain", "auto/heads"] + FIXED
 
 
 @pytest.mark.parametrize("name", MLP_RUNS)
@@ -236,7 +236,7 @@ def test_activation_and_no_bias():
     assert len(hidden_free.layers) == 1 and hidden_free(x).shape == (6, 6)
 
 
-@pytest.mark.parametrize("name", ["auto", "auto/layers", "auto/fm_chain", "bmm", "dense", "loop"])
+@pytest.mark.parametrize("name", ["auto", "auto/layers", "auto/fm_chain", "auto/heads", "bmm", "dense", "loop"])
 def test_training_parity_50_steps(name):
     torch.manual_seed(3)
     heads = _heads(10, [15, 10, 10, 1], dtype=torch.float32)

@@ -793,6 +793,51 @@ def test_exported_mlp_runs_the_chain_on_cpu(strategy, lo, chain_spy):
         torch.testing.assert_close(ep.module()(x), _heads_output(model, x))
 
 
+@pytest.mark.parametrize("how", ["compile-fullgraph", "export-dynamic", "forward-ad", "jacrev", "vmap-ensemble"])
+def test_the_heads_strategy_under_every_transform(how):
+    # strategy="heads" is F.linear, activations and cat: every transform takes it as it takes
+    # the loop of nn.Sequential heads, and gives the heads' outputs and gradients.
+    torch.manual_seed(0)
+    model = _mlp("auto")
+    model.strategy = "heads"
+    x = torch.randn(5, 6, dtype=torch.float64)
+    gy = torch.randn(5, 6, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    if how == "compile-fullgraph":
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        for n in (5, 9):
+            xn, gyn = torch.randn(n, 6, dtype=torch.float64), torch.randn(n, 6, dtype=torch.float64)
+            y, grads = _mlp_grads(compiled, xn, gyn)
+            yr, ref = _mlp_grads(model, xn, gyn)
+            torch.testing.assert_close(y, _heads_output(model, xn))
+            for a, b in zip(grads, ref):
+                torch.testing.assert_close(a, b)
+    elif how == "export-dynamic":
+        ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+        for n in (3, 17):
+            xn = torch.randn(n, 6, dtype=torch.float64)
+            torch.testing.assert_close(ep.module()(xn), _heads_output(model, xn))
+    elif how == "forward-ad":
+        t = torch.randn_like(x)
+        _, jvp = torch.func.jvp(model, (x,), (t,))
+        _, jvp_ref = torch.func.jvp(lambda v: _heads_output(model, v), (x,), (t,))
+        torch.testing.assert_close(jvp, jvp_ref)
+    elif how == "jacrev":
+        jac = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+        model.strategy = "layers"
+        ref = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+        for k in params:
+            torch.testing.assert_close(jac[k], ref[k])
+    else:  # the model-ensembling recipe: vmap over stacked parameters
+        other = _mlp("auto")
+        other.strategy = "heads"
+        stacked = {k: torch.stack([v, dict(other.named_parameters())[k]]) for k, v in params.items()}
+        ys = torch.func.vmap(lambda p: torch.func.functional_call(model, p, (x,)))(stacked)
+        torch.testing.assert_close(ys[0], _heads_output(model, x))
+        torch.testing.assert_close(ys[1], _heads_output(other, x))
+
+
 def test_compiled_mlp_runs_hooked_layers(chain_spy):
     model = _mlp("auto")
     fired = []

@@ -82,9 +82,11 @@ def _check_activation(fn: str, act: object, where: str) -> None:
 # How GroupedMLP runs its layers (see the class docstring): "layers" calls each layer
 # (``GroupedLinear.__call__``, so hooks, parametrizations, pruning and FSDP2 see every call,
 # and each layer's backend is planned by the chooser); "fm_chain" is the fused feature-major
-# chain of addmm/baddbmm on the layers' parameters; "auto" takes the chain only where
-# nothing observes or rewrites the layers and the measured table says it is faster.
-STRATEGIES = ("auto", "layers", "fm_chain")
+# chain of addmm/baddbmm on the layers' parameters; "heads" runs each head's layers in turn,
+# as the loop of nn.Sequential heads does, on views of the layers' parameters; "auto" takes
+# the chain only where nothing observes or rewrites the layers and the measured table says
+# it is faster (it does not take "heads": see the class docstring).
+STRATEGIES = ("auto", "layers", "fm_chain", "heads")
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -132,8 +134,8 @@ class MLPPlan:
     """What :class:`GroupedMLP` runs for an input, and why (``str(plan)`` is a report).
 
     Attributes:
-        strategy: what runs: ``"fm_chain"`` or ``"layers"``.
-        requested: the model's ``strategy`` setting (``"auto"``, ``"layers"`` or ``"fm_chain"``).
+        strategy: what runs: ``"fm_chain"``, ``"layers"`` or ``"heads"``.
+        requested: the model's ``strategy`` setting (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
         reason: one sentence on why.
         chain_us: the measured table's estimate of the chain in microseconds: the sum over
             layers of ``bmm_fm``'s time at each layer's problem; None where not estimated.
@@ -160,7 +162,8 @@ class MLPPlan:
             f"  reason:  {self.reason}",
             f"  estimates from the measured table: fm_chain {us(self.chain_us)}, layers {us(self.layers_us)}",
         ]
-        used = "" if self.strategy == "layers" else " (not used: the chain runs instead)"
+        used = "" if self.strategy == "layers" else (
+            " (not used: the chain runs instead)" if self.strategy == "fm_chain" else " (not used: the heads run instead)")
         for k, plan in enumerate(self.layers):
             lines.append(f"layers[{k}]{used}:")
             lines += ["  " + line for line in str(plan).splitlines()]
@@ -231,6 +234,14 @@ class GroupedMLP(nn.Module):
       model whose layers have hooks or parametrizations (pruning, ``weight_norm``), whose
       activations have hooks (they would see the feature-major layout), whose parameters
       are not plain tensors (DTensor, FSDP2) or whose dtype or device differ from ``x``'s.
+    - ``"heads"``: head by head, as ``torch.cat([head(x) for head in heads], -1)`` runs:
+      each head's layers are ``F.linear`` calls on its views of the layers' parameters (one
+      ``unbind`` per parameter, so the backward stacks each parameter's gradient once), and
+      the heads' outputs are concatenated. A head's hidden units stay small while its layers
+      run, where the chain's and the layers' span every head; with few heads and large
+      blocks that is what the loop of ``nn.Linear`` gains, and this strategy gains it too.
+      It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. ``auto``
+      never picks it: it has no measured rule yet (``strategy="heads"`` is yours to choose).
     - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
       ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
@@ -353,7 +364,7 @@ class GroupedMLP(nn.Module):
 
     @property
     def strategy(self) -> str:
-        """``"auto"``, ``"layers"`` or ``"fm_chain"``: how the layers run (see the class docstring)."""
+        """``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``: how the layers run (see the class docstring)."""
         return self._strategy
 
     @strategy.setter
@@ -370,7 +381,7 @@ class GroupedMLP(nn.Module):
 
         Raises:
             BlockDiagError: an input whose last dimension, dtype or device does not fit, or
-                ``strategy="fm_chain"`` on a model the chain cannot run (see the class docstring).
+                ``strategy="fm_chain"`` or ``"heads"`` on a model it cannot run (see the class docstring).
         """
         try:
             return self._forward(x)
@@ -393,10 +404,10 @@ class GroupedMLP(nn.Module):
         if strategy == "auto":
             if self._auto_runs_chain(x):
                 return self._forward_feature_major(x)
-        elif strategy == "fm_chain":
-            why = self._chain_refusal(x, traced=torch.compiler.is_compiling())
-            check(type(self).__name__, why is None, f"strategy='fm_chain' cannot run: {why}; use strategy='layers' or 'auto'")
-            return self._forward_feature_major(x)
+        elif strategy != "layers":
+            why = self._chain_refusal(x, traced=torch.compiler.is_compiling(), strategy=strategy)
+            check(type(self).__name__, why is None, f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'")
+            return self._forward_feature_major(x) if strategy == "fm_chain" else self._forward_heads(x)
         acts = tuple(self._modules["activations"]._modules.values())
         n_act = len(acts)
         for k, layer in enumerate(self._modules["layers"]._modules.values()):
@@ -407,14 +418,21 @@ class GroupedMLP(nn.Module):
 
     # ------------------------------------------------------------ choosing the strategy
 
-    def _chain_refusal(self, x: torch.Tensor, traced: bool = False) -> Optional[str]:
-        """Why the chain would skip or break something here (None: it runs as the layers would).
+    def _chain_refusal(self, x: torch.Tensor, traced: bool = False, strategy: str = "fm_chain") -> Optional[str]:
+        """Why ``strategy`` (``"fm_chain"`` or ``"heads"``, which both read the parameters and
+        call no layer) would skip or break something here (None: it runs as the layers would).
 
         Checked on every call: hooks and parametrizations can be added at any time.
         """
+        if strategy == "heads":
+            return self._params_refusal(x, traced, "the heads strategy",
+                                        "one head's [batch, hidden] at a time instead of every head's")
+        return self._params_refusal(x, traced, "the chain", "the chain's feature-major [heads, hidden, batch] layout")
+
+    def _params_refusal(self, x: torch.Tensor, traced: bool, who: str, activation_sees: str) -> Optional[str]:
         mm = _nn_module
         if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
-            return "a global module hook is registered (torch.nn.modules.module.register_module_*_hook), and the chain calls no layer"
+            return f"a global module hook is registered (torch.nn.modules.module.register_module_*_hook), and {who} calls no layer"
         # Dtypes are compared for every parameter, the device for the first weight only: a
         # parameter elsewhere on another device fails on either path, and each comparison
         # of devices costs a device object.
@@ -423,11 +441,11 @@ class GroupedMLP(nn.Module):
             if _hooked(layer):
                 return (
                     f"layers[{k}] has forward or backward hooks (torch.nn.utils.prune and the old "
-                    "weight_norm use them too), and the chain never calls the layer"
+                    f"weight_norm use them too), and {who} never calls the layer"
                 )
             params = layer._parameters
             if "parametrizations" in layer._modules:
-                return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and the chain reads the raw parameters"
+                return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and {who} reads the raw parameters"
             w = params.get("weight")
             if w is None or not _plain(w, traced):
                 return f"layers[{k}].weight is not a plain tensor parameter (a DTensor, another subclass, or rewritten)"
@@ -440,7 +458,7 @@ class GroupedMLP(nn.Module):
                 return f"layers[{k}].bias is not a plain tensor parameter of the input's dtype"
         for k, act in enumerate(self._modules["activations"]._modules.values()):
             if _hooked(act):
-                return f"activations[{k}] has hooks, which would see the chain's feature-major [heads, hidden, batch] layout"
+                return f"activations[{k}] has hooks, which would see {activation_sees}"
         return None
 
     def _auto_context(self, x: torch.Tensor) -> Optional[str]:
@@ -614,8 +632,8 @@ class GroupedMLP(nn.Module):
             an :class:`MLPPlan`.
 
         Raises:
-            BlockDiagError: an input the model cannot run, or ``strategy="fm_chain"`` where
-                the chain cannot run.
+            BlockDiagError: an input the model cannot run, or ``strategy="fm_chain"`` or
+                ``"heads"`` where it cannot run.
         """
         fn = f"{type(self).__name__}.plan"
         n_in = self.in_features * (1 if self.shared_input else self.heads)
@@ -623,10 +641,11 @@ class GroupedMLP(nn.Module):
         plans = self._layer_plans(x)
         if self._strategy == "layers":
             return MLPPlan("layers", "layers", "fixed by the user (strategy='layers')", layers=plans)
-        if self._strategy == "fm_chain":
-            why = self._chain_refusal(x)
-            check(fn, why is None, f"strategy='fm_chain' cannot run: {why}; use strategy='layers' or 'auto'")
-            return MLPPlan("fm_chain", "fm_chain", "fixed by the user (strategy='fm_chain')", layers=plans)
+        if self._strategy in ("fm_chain", "heads"):
+            s_ = self._strategy
+            why = self._chain_refusal(x, strategy=s_)
+            check(fn, why is None, f"strategy={s_!r} cannot run: {why}; use strategy='layers' or 'auto'")
+            return MLPPlan(s_, s_, f"fixed by the user (strategy={s_!r})", layers=plans)
         why = self._auto_context(x)
         if why is not None:
             return MLPPlan("layers", "auto", f"the chain is not allowed here: {why}", layers=plans)
@@ -673,6 +692,34 @@ class GroupedMLP(nn.Module):
             h = self._bmm(layers[last], h)
         # [H, out, N] -> [N, H*out]: the one transpose of the whole stack, a view.
         return h.permute(2, 0, 1).reshape(*lead, hds * self.out_features)
+
+    def _forward_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # Each parameter is unbound into its heads once (one node, whose backward stacks the
+        # heads' gradients), not sliced per head: a slice's backward writes a zero-filled
+        # gradient of the whole parameter for every head.
+        layers = tuple(self._modules["layers"]._modules.values())
+        acts = tuple(self._modules["activations"]._modules.values())
+        hds = self.heads
+        if len(layers) > 1 and not self._records(x, layers):
+            acts = tuple(_in_place(a) for a in acts)  # each head's hidden tensor is its own
+        weights, biases = [], []
+        for layer in layers:
+            p = layer._parameters
+            w, b = p["weight"], p["bias"]
+            # [groups, out, in]; the shared first layer's one group holds every head's rows.
+            weights.append(w.view(hds, w.shape[0] * w.shape[1] // hds, w.shape[2]).unbind(0))
+            biases.append((None,) * hds if b is None else b.view(hds, b.shape[0] // hds).unbind(0))
+        xs = (x,) * hds if self.shared_input else x.split(self.in_features, -1)
+        n_act = len(acts)
+        outs = []
+        for g in range(hds):
+            h = xs[g]
+            for k in range(len(layers)):
+                h = torch.nn.functional.linear(h, weights[k][g], biases[k][g])
+                if k < n_act:
+                    h = acts[k](h)
+            outs.append(h)
+        return torch.cat(outs, -1)
 
     @staticmethod
     def _records(x: torch.Tensor, layers: Sequence[GroupedLinear]) -> bool:
@@ -739,7 +786,7 @@ class GroupedMLP(nn.Module):
                 position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
-            strategy: for the new model (``"auto"``, ``"layers"`` or ``"fm_chain"``).
+            strategy: for the new model (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
 
         Returns:
             a ``GroupedMLP`` on the heads' device and dtype, activations deep-copied from
