@@ -775,6 +775,62 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, floor,
     torch.testing.assert_close(y, _heads_output(model, x))
 
 
+@pytest.mark.parametrize("rule, runs_heads", [
+    pytest.param(((8, None),), True, id="smallest-block-at-the-area"),
+    pytest.param(((9, None),), False, id="smallest-block-below-the-area"),
+    pytest.param(((8, 3),), True, id="at-the-most-heads"),
+    pytest.param(((8, 2),), False, id="more-heads-than-the-rule"),
+    pytest.param(((99, None), (8, 3)), True, id="second-pair"),
+])
+@pytest.mark.parametrize("how", ["static", "dynamic", "export"])
+def test_traced_auto_runs_the_heads_where_the_rule_says(rule, runs_heads, how, chain_spy, monkeypatch):
+    # _mlp's grouped blocks are 4x4 and 4x2 (the smallest: 8 elements), 3 heads. The rule
+    # reads shapes only, so graphs at a concrete batch, at a symbolic one and exported
+    # programs follow it alike; every one computes the heads' outputs and gradients.
+    ran = []
+    inner = GroupedMLP._forward_heads
+    monkeypatch.setattr(GroupedMLP, "_forward_heads", lambda self, x: ran.append(1) or inner(self, x))
+    monkeypatch.setattr(mlp_module, "TRACED_HEADS_RULE", rule)
+    model = _mlp("auto")
+    torch._dynamo.reset()
+    x, gy = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    if how == "export":
+        ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+        assert bool(ran) == runs_heads and bool(chain_spy) != runs_heads, (ran, chain_spy)
+        x9 = torch.randn(9, 6, dtype=torch.float64)
+        torch.testing.assert_close(ep.module()(x9), _heads_output(model, x9))
+        return
+    compiled = torch.compile(model, fullgraph=True, dynamic=how == "dynamic")
+    y, grads = _mlp_grads(compiled, x, gy)
+    assert bool(ran) == runs_heads, (ran, chain_spy)
+    _, ref = _mlp_grads(model, x, gy)
+    torch.testing.assert_close(y, _heads_output(model, x))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("blocker", ["named-backend", "layer-hook", "activation-hook", "other-device"])
+def test_traced_auto_keeps_off_the_heads_where_they_are_not_allowed(blocker, monkeypatch):
+    ran = []
+    inner = GroupedMLP._forward_heads
+    monkeypatch.setattr(GroupedMLP, "_forward_heads", lambda self, x: ran.append(1) or inner(self, x))
+    monkeypatch.setattr(mlp_module, "TRACED_HEADS_RULE", ((1, None),))
+    model = _mlp("auto")
+    if blocker == "named-backend":
+        model.layers[1].backend = "bmm"
+    elif blocker == "layer-hook":
+        model.layers[2].register_forward_hook(lambda *a: None)
+    elif blocker == "activation-hook":
+        model.activations[0].register_forward_hook(lambda *a: None)
+    else:
+        monkeypatch.setattr(mlp_module, "TRACED_HEADS_DEVICES", frozenset({"cuda"}))
+    torch._dynamo.reset()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    y = torch.compile(model, dynamic=False)(x)
+    assert not ran
+    torch.testing.assert_close(y, _heads_output(model, x))
+
+
 @pytest.mark.parametrize("lo", [2, 16])
 @pytest.mark.parametrize("strategy", ["auto", "fm_chain"])
 def test_exported_mlp_runs_the_chain_on_cpu(strategy, lo, chain_spy):

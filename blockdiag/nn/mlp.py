@@ -205,6 +205,20 @@ CHAIN_KERNELS = frozenset({"bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"})
 # and the points between went either way; the floor sits above them.
 TRACED_LAYERS_MIN_FLOPS = 10_000_000
 
+# A graph traced on a device type in this set runs the heads one after another (strategy
+# "heads") where it is allowed and every grouped layer's block (``in * out``) comes to at
+# least the first number of a pair, for at most its second number of heads (None: any): there
+# each head's products are large enough that batching them gains nothing in a compiled
+# graph, and the compiler takes the head-by-head products as it takes the nn.Linear loop's,
+# while the chain's and the layers' span every head. The rule reads no batch, so a graph
+# serving every batch size follows it too. Measured with scripts/bench_mlp_heads.py over
+# bench's grid (docs/results/mlp-heads-strategy-avx512.json): compiled, the heads were
+# faster than ``auto`` at the 256x256 blocks and at 64x64 with 4 heads (all but one point),
+# slower at the smaller blocks and at 64x64 with 16 or 50 heads. Eager ``auto`` does not
+# run the heads: there they beat it at few points, by little, and stayed slower than the loop.
+TRACED_HEADS_DEVICES = frozenset({"cpu"})
+TRACED_HEADS_RULE = ((256 * 256, None), (64 * 64, 4))
+
 
 class GroupedMLP(nn.Module):
     """``heads`` independent MLPs ``in -> hidden... -> out``, computed together.
@@ -402,7 +416,13 @@ class GroupedMLP(nn.Module):
             )
         strategy = self._strategy
         if strategy == "auto":
-            if self._auto_runs_chain(x):
+            if torch.compiler.is_compiling():  # first: dynamo folds it to a constant
+                traced = self._traced_strategy(x)
+                if traced == "fm_chain":
+                    return self._forward_feature_major(x)
+                if traced == "heads":
+                    return self._forward_heads(x)
+            elif self._auto_runs_chain(x):
                 return self._forward_feature_major(x)
         elif strategy != "layers":
             why = self._chain_refusal(x, traced=torch.compiler.is_compiling(), strategy=strategy)
@@ -484,7 +504,7 @@ class GroupedMLP(nn.Module):
         and without building messages: this runs on every call.
         """
         if torch.compiler.is_compiling():  # first: dynamo folds it to a constant
-            return self._traced_runs_chain(x)
+            return self._traced_strategy(x) == "fm_chain"
         if (
             x.numel() == 0
             or torch._C._are_functorch_transforms_active()
@@ -537,6 +557,28 @@ class GroupedMLP(nn.Module):
                 self._decisions.clear()
             self._decisions[key] = chain
         return chain
+
+    def _traced_strategy(self, x: torch.Tensor) -> str:
+        """``auto``'s strategy while dynamo traces: the heads where ``TRACED_HEADS_RULE`` says,
+        else the chain where :meth:`_traced_runs_chain` says, else the layers."""
+        if self._traced_runs_heads(x):
+            return "heads"
+        return "fm_chain" if self._traced_runs_chain(x) else "layers"
+
+    def _traced_runs_heads(self, x: torch.Tensor) -> bool:
+        """Whether a traced ``auto`` runs the heads (``TRACED_HEADS_RULE``; shapes only, no batch)."""
+        if x.device.type not in TRACED_HEADS_DEVICES:
+            return False
+        layers = tuple(self._modules["layers"]._modules.values())
+        grouped = [layer for layer in layers if layer.groups > 1]
+        if not grouped or x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
+            return False
+        smallest = min((layer.in_features // layer.groups) * (layer.out_features // layer.groups) for layer in grouped)
+        if not any(smallest >= area and (most is None or self.heads <= most) for area, most in TRACED_HEADS_RULE):
+            return False
+        if any(layer._backend != "auto" for layer in layers):
+            return False
+        return self._chain_refusal(x, traced=True, strategy="heads") is None
 
     def _traced_runs_chain(self, x: torch.Tensor) -> bool:
         """``auto``'s decision while dynamo traces: eager's at a concrete batch, else the device rule.
