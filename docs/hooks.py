@@ -663,6 +663,44 @@ def mlp_traced_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def _heads_rows(rows: list[dict]) -> list[str]:
+    out = [
+        "| batch | groups | block | auto runs | auto | heads | loop | heads / auto | auto_c | heads_c | loop_c "
+        "| heads / auto, compiled |",
+        "|---" * 12 + "|",
+    ]
+    for r in rows:
+        t = r["times_us"]
+        out.append(f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | {r['auto_strategy']} | "
+                   + " | ".join(f"{t[k] / 1000:.2f}" for k in ("auto", "heads", "loop"))
+                   + f" | {t['heads'] / t['auto']:.2f} | "
+                   + " | ".join(f"{t[k] / 1000:.2f}" for k in ("auto_c", "heads_c", "loop_c"))
+                   + f" | {t['heads_c'] / t['auto_c']:.2f} |")
+    return out
+
+
+def mlp_heads_markdown(name: str) -> str:
+    """``scripts/bench_mlp_heads.py``'s rows, before the traced heads rule (its basis) and with it."""
+    d = _load(name)
+    out = [
+        (f"**What**: {d['what']}. **Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}; "
+         f"median of {d.get('rounds', '?')} interleaved rounds. **Command**: `{d.get('command', '')}` "
+         f"(file: `docs/results/{name}`)."),
+        "",
+        ("Times of a training step in ms (`_c`: compiled); *heads / auto* below 1: the heads are faster. "
+         "*auto runs* is eager `auto`'s strategy."),
+        "",
+    ]
+    before = d.get("before_rule")
+    if before:
+        out += [f"**Before the rule** (blockdiag at `{str(before['commit'])[:10]}`; {before['note']}):", "",
+                *_heads_rows(before["rows"]), ""]
+    out += [f"**With the rule** (blockdiag at `{str(d.get('commit', '?'))[:10]}`: a compiled `auto` runs the heads "
+            "where `TRACED_HEADS_RULE` says, so there *heads / auto, compiled* is about 1):", "",
+            *_heads_rows(d["rows"]), ""]
+    return "\n".join(out)
+
+
 def asv_time_noise_markdown(name: str) -> str:
     """Three asv runs of unchanged code: how far each time benchmark family moved."""
     d = _load(name)
@@ -826,6 +864,7 @@ _FILE_MARKERS = {
     "allocator": allocator_markdown,
     "mlp-strategy": mlp_strategy_markdown,
     "mlp-traced": mlp_traced_markdown,
+    "mlp-heads": mlp_heads_markdown,
     "asv-time-noise": asv_time_noise_markdown,
     "asv-history": asv_history_markdown,
     "asv-stability": asv_stability_markdown,

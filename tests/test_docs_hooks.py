@@ -39,3 +39,12 @@ def test_every_marker_of_the_history_page_renders(hooks):
         section = hooks._FILE_MARKERS[marker](name)
         for figure in FIGURES[name]:
             assert figure in section, (marker, name, figure)
+
+
+def test_the_heads_results_render_both_tables(hooks):
+    # The Performance page's heads section: the rule's basis (before it) and the run with it.
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert "<!-- mlp-heads: mlp-heads-strategy-avx512.json -->" in page
+    text = hooks.mlp_heads_markdown("mlp-heads-strategy-avx512.json")
+    assert "**Before the rule** (blockdiag at `f725cd0d00`" in text and "**With the rule**" in text
+    assert text.count("| 2048 | 16 | 256x256 |") == 2

@@ -85,7 +85,7 @@ def _check_activation(fn: str, act: object, where: str) -> None:
 # chain of addmm/baddbmm on the layers' parameters; "heads" runs each head's layers in turn,
 # as the loop of nn.Sequential heads does, on views of the layers' parameters; "auto" takes
 # the chain only where nothing observes or rewrites the layers and the measured table says
-# it is faster (it does not take "heads": see the class docstring).
+# it is faster, and in a traced graph the heads where TRACED_HEADS_RULE says.
 STRATEGIES = ("auto", "layers", "fm_chain", "heads")
 
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -254,8 +254,9 @@ class GroupedMLP(nn.Module):
       the heads' outputs are concatenated. A head's hidden units stay small while its layers
       run, where the chain's and the layers' span every head; with few heads and large
       blocks that is what the loop of ``nn.Linear`` gains, and this strategy gains it too.
-      It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. ``auto``
-      never picks it: it has no measured rule yet (``strategy="heads"`` is yours to choose).
+      It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. A traced
+      ``auto`` (``torch.compile``, ``torch.export``) runs it where it is allowed and
+      ``TRACED_HEADS_RULE`` says (large blocks, see there); eager ``auto`` does not.
     - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
       ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
@@ -265,7 +266,9 @@ class GroupedMLP(nn.Module):
       the chain runs wherever it is allowed, elsewhere the layers run, each planned as
       ``auto`` plans in a traced graph. A trace at a concrete batch decides as eager does
       where the grouped layers' products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, and
-      by that device rule below. Faster: the measured table (the one
+      by that device rule below. Before either, any trace on a device type in
+      ``TRACED_HEADS_DEVICES`` runs the heads where they are allowed and every grouped
+      block is as large as ``TRACED_HEADS_RULE`` asks. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
