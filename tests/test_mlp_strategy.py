@@ -31,32 +31,29 @@ def _x(model, *lead, requires_grad=False):
     return torch.randn(*lead, n_in, dtype=model.layers[0].weight.dtype, requires_grad=requires_grad)
 
 
-@pytest.fixture
-def chain_spy(monkeypatch):
-    """Counts the calls of the fused chain."""
+def _spy(monkeypatch, method: str) -> list:
+    """A list that gets the input's shape each time ``GroupedMLP.<method>`` runs."""
     calls = []
-    inner = GroupedMLP._forward_feature_major
+    inner = getattr(GroupedMLP, method)
 
     def spy(self, x):
         calls.append(x.shape)
         return inner(self, x)
 
-    monkeypatch.setattr(GroupedMLP, "_forward_feature_major", spy)
+    monkeypatch.setattr(GroupedMLP, method, spy)
     return calls
+
+
+@pytest.fixture
+def chain_spy(monkeypatch):
+    """Counts the calls of the fused chain."""
+    return _spy(monkeypatch, "_forward_feature_major")
 
 
 @pytest.fixture
 def heads_spy(monkeypatch):
     """Counts the calls of the head-by-head strategy."""
-    calls = []
-    inner = GroupedMLP._forward_heads
-
-    def spy(self, x):
-        calls.append(x.shape)
-        return inner(self, x)
-
-    monkeypatch.setattr(GroupedMLP, "_forward_heads", spy)
-    return calls
+    return _spy(monkeypatch, "_forward_heads")
 
 
 # ---------------------------------------------------------------- the layers are called
