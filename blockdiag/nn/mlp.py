@@ -501,13 +501,12 @@ class GroupedMLP(nn.Module):
         return self._chain_refusal(x)
 
     def _auto_runs_chain(self, x: torch.Tensor) -> bool:
-        """``auto``'s per-call decision: the checks of :meth:`_auto_context`, then the cached choice.
+        """Eager ``auto``'s per-call decision: the checks of :meth:`_auto_context`, then the cached choice.
 
         The same checks as ``_auto_context`` (which says why, for :meth:`plan`), in one pass
-        and without building messages: this runs on every call.
+        and without building messages: this runs on every call. (A traced call decides by
+        :meth:`_traced_strategy` instead.)
         """
-        if torch.compiler.is_compiling():  # first: dynamo folds it to a constant
-            return self._traced_strategy(x) == "fm_chain"
         if (
             x.numel() == 0
             or torch._C._are_functorch_transforms_active()
