@@ -642,3 +642,33 @@ def test_a_one_group_layer_is_left_out_of_both_sums(monkeypatch):
     model = _model(shared=True)
     plan = model.plan(_x(model, 4))
     assert (plan.chain_us, plan.layers_us) == (6.0, 6.0)
+
+
+# ---------------------------------------------------------------- eager auto and the heads
+
+
+@pytest.mark.parametrize("rule, rows, grad, want", [
+    pytest.param((8, 3, 7), 7, True, "heads", id="at-every-bound"),
+    pytest.param((9, 3, 7), 7, True, "fm_chain", id="smaller-block"),
+    pytest.param((8, 4, 7), 7, True, "fm_chain", id="fewer-heads"),
+    pytest.param((8, 3, 8), 7, True, "fm_chain", id="fewer-rows"),
+    pytest.param((8, 3, 7), 7, False, "fm_chain", id="inference"),
+])
+def test_eager_auto_runs_the_heads_where_the_rule_says(rule, rows, grad, want, monkeypatch, chain_spy, heads_spy):
+    # _model's grouped blocks are 5x4 and 4x2 (the smallest: 8 elements), with 3 heads. The
+    # table is told to prefer the chain, so whatever is not the heads is the chain.
+    monkeypatch.setattr(mlp_mod, "EAGER_HEADS_RULE", rule)
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", lambda self, x: (True, "test", 1.0, 2.0, self._layer_plans(x)))
+    model, ref = _model(), _model("layers")
+    x = _x(model, rows)
+    with torch.set_grad_enabled(grad):
+        assert model.plan(x).strategy == want
+        y = model(x)
+        assert (len(heads_spy), len(chain_spy)) == ((1, 0) if want == "heads" else (0, 1))
+        torch.testing.assert_close(y, ref(x), **F64)
+    if want == "heads":
+        assert "EAGER_HEADS_RULE" in model.plan(x).reason
+        model.activations[0].register_forward_hook(lambda *a: None)  # not allowed any more: the layers
+        heads_spy.clear()
+        model(x)
+        assert not heads_spy and model.plan(x).strategy == "layers"

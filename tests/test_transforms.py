@@ -823,7 +823,7 @@ def test_traced_auto_keeps_off_the_heads_where_they_are_not_allowed(blocker, mon
     elif blocker == "activation-hook":
         model.activations[0].register_forward_hook(lambda *a: None)
     else:
-        monkeypatch.setattr(mlp_module, "TRACED_HEADS_DEVICES", frozenset({"cuda"}))
+        monkeypatch.setattr(mlp_module, "HEADS_DEVICES", frozenset({"cuda"}))
     torch._dynamo.reset()
     x = torch.randn(5, 6, dtype=torch.float64)
     y = torch.compile(model, dynamic=False)(x)

@@ -85,7 +85,7 @@ def _check_activation(fn: str, act: object, where: str) -> None:
 # chain of addmm/baddbmm on the layers' parameters; "heads" runs each head's layers in turn,
 # as the loop of nn.Sequential heads does, on views of the layers' parameters; "auto" takes
 # the chain only where nothing observes or rewrites the layers and the measured table says
-# it is faster, and in a traced graph the heads where TRACED_HEADS_RULE says.
+# it is faster, and the heads where TRACED_HEADS_RULE (traced) or EAGER_HEADS_RULE says.
 STRATEGIES = ("auto", "layers", "fm_chain", "heads")
 
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -216,8 +216,16 @@ TRACED_LAYERS_MIN_FLOPS = 10_000_000
 # faster than ``auto`` at the 256x256 blocks and at 64x64 with 4 heads (all but one point),
 # slower at the smaller blocks and at 64x64 with 16 or 50 heads. Eager ``auto`` does not
 # run the heads: there they beat it at few points, by little, and stayed slower than the loop.
-TRACED_HEADS_DEVICES = frozenset({"cpu"})
+HEADS_DEVICES = frozenset({"cpu"})
 TRACED_HEADS_RULE = ((256 * 256, None), (64 * 64, 4))
+
+# Eager ``auto`` runs the heads on a device type in HEADS_DEVICES, in training, where every
+# grouped layer's block comes to at least the first number of elements, the model has at
+# least the second number of heads and the batch at least the third number of rows. The
+# same timings (two runs): eager, the heads beat ``auto`` only at 256x256 blocks with 16 or
+# 50 heads and 256 rows or more, the points where ``auto`` was slower than the nn.Linear
+# loop; with 4 heads, or 32 rows, or smaller blocks they were slower.
+EAGER_HEADS_RULE = (256 * 256, 16, 256)
 
 
 class GroupedMLP(nn.Module):
@@ -254,11 +262,13 @@ class GroupedMLP(nn.Module):
       the heads' outputs are concatenated. A head's hidden units stay small while its layers
       run, where the chain's and the layers' span every head; with few heads and large
       blocks that is what the loop of ``nn.Linear`` gains, and this strategy gains it too.
-      It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. A traced
-      ``auto`` (``torch.compile``, ``torch.export``) runs it where it is allowed and
-      ``TRACED_HEADS_RULE`` says (large blocks, see there); eager ``auto`` does not.
-    - ``"auto"`` (default): the chain only where it is allowed and measured faster, else
-      ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
+      It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. ``auto``
+      runs it where it is allowed and the shapes call for it: a traced ``auto``
+      (``torch.compile``, ``torch.export``) where ``TRACED_HEADS_RULE`` says, eager ``auto``
+      in training where ``EAGER_HEADS_RULE`` says (large blocks, many heads, large batches).
+    - ``"auto"`` (default): the heads where they are allowed and ``EAGER_HEADS_RULE`` (or,
+      traced, ``TRACED_HEADS_RULE``) says, else the chain where it is allowed and measured
+      faster, else ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
       honoured), nothing above would refuse the chain, no global module hook is registered,
       no ``torch.func`` transform or autocast is active and the batch is not empty. A
       ``torch.compile`` or ``torch.export`` trace with a symbolic batch (one graph for every
@@ -267,7 +277,7 @@ class GroupedMLP(nn.Module):
       ``auto`` plans in a traced graph. A trace at a concrete batch decides as eager does
       where the grouped layers' products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, and
       by that device rule below. Before either, any trace on a device type in
-      ``TRACED_HEADS_DEVICES`` runs the heads where they are allowed and every grouped
+      ``HEADS_DEVICES`` runs the heads where they are allowed and every grouped
       block is as large as ``TRACED_HEADS_RULE`` asks. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
@@ -425,8 +435,12 @@ class GroupedMLP(nn.Module):
                     return self._forward_feature_major(x)
                 if traced == "heads":
                     return self._forward_heads(x)
-            elif self._auto_runs_chain(x):
-                return self._forward_feature_major(x)
+            else:
+                chosen = self._auto_strategy(x)
+                if chosen == "fm_chain":
+                    return self._forward_feature_major(x)
+                if chosen == "heads":
+                    return self._forward_heads(x)
         elif strategy != "layers":
             why = self._chain_refusal(x, traced=torch.compiler.is_compiling(), strategy=strategy)
             check(type(self).__name__, why is None, f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'")
@@ -500,8 +514,8 @@ class GroupedMLP(nn.Module):
                 return f"layers[{k}] has backend={layer._backend!r}, which is honoured"
         return self._chain_refusal(x)
 
-    def _auto_runs_chain(self, x: torch.Tensor) -> bool:
-        """Eager ``auto``'s per-call decision: the checks of :meth:`_auto_context`, then the cached choice.
+    def _auto_strategy(self, x: torch.Tensor) -> str:
+        """Eager ``auto``'s per-call strategy: the checks of :meth:`_auto_context`, then the cached choice.
 
         The same checks as ``_auto_context`` (which says why, for :meth:`plan`), in one pass
         and without building messages: this runs on every call. (A traced call decides by
@@ -512,10 +526,10 @@ class GroupedMLP(nn.Module):
             or torch._C._are_functorch_transforms_active()
             or (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _autocast_on())
         ):
-            return False
+            return "layers"
         mm = _nn_module
         if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
-            return False
+            return "layers"
         dt = x.dtype
         grad = torch.is_grad_enabled()
         rg = grad and x.requires_grad
@@ -526,18 +540,18 @@ class GroupedMLP(nn.Module):
                 layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks
                 or layer._backend != "auto" or "parametrizations" in layer._modules
             ):
-                return False
+                return "layers"
             p = layer._parameters
             w = p.get("weight")
             if w is None or type(w) not in _PLAIN or w.dtype != dt or "bias" not in p:
-                return False
+                return "layers"
             if dev is None:
                 dev = w.device
                 if dev != x.device:
-                    return False
+                    return "layers"
             b = p["bias"]
             if b is not None and (type(b) not in _PLAIN or b.dtype != dt):
-                return False
+                return "layers"
             if grad and not rg:
                 rg = w.requires_grad or (b is not None and b.requires_grad)
             if rg:
@@ -545,20 +559,36 @@ class GroupedMLP(nn.Module):
             bit <<= 1
         for act in self._modules["activations"]._modules.values():
             if act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks:
-                return False
+                return "layers"
         # The epoch (blockdiag.dispatch's: settings, profile, registry, thread count) moves
         # whenever the table's answer may change, so an entry is never checked, only looked up.
         ep = _settings.epoch()
         key = (x.shape, dt, dev, mask, ep)
-        chain = self._decisions.get(key)
-        if chain is not None:
-            return chain
-        chain = self._measured_choice(x)[0]
+        chosen = self._decisions.get(key)
+        if chosen is not None:
+            return chosen
+        if mask and self._eager_heads_pay(x):
+            chosen = "heads"
+        else:
+            chosen = "fm_chain" if self._measured_choice(x)[0] else "layers"
         if ep == _settings.epoch():  # kept only if the epoch did not move while planning
             if len(self._decisions) > 256:
                 self._decisions.clear()
-            self._decisions[key] = chain
-        return chain
+            self._decisions[key] = chosen
+        return chosen
+
+    def _smallest_grouped_block(self) -> Optional[int]:
+        """The fewest elements (``in * out``) of a grouped layer's block; None without a grouped layer."""
+        sizes = [(layer.in_features // layer.groups) * (layer.out_features // layer.groups)
+                 for layer in self._modules["layers"]._modules.values() if layer.groups > 1]
+        return min(sizes) if sizes else None
+
+    def _eager_heads_pay(self, x: torch.Tensor) -> bool:
+        """``EAGER_HEADS_RULE`` (shapes only; the caller checked the heads are allowed and in training)."""
+        area, heads, rows = EAGER_HEADS_RULE
+        smallest = self._smallest_grouped_block()
+        return (x.device.type in HEADS_DEVICES and smallest is not None and smallest >= area
+                and self.heads >= heads and x.shape[:-1].numel() >= rows)
 
     def _traced_strategy(self, x: torch.Tensor) -> str:
         """``auto``'s strategy while dynamo traces: the heads where ``TRACED_HEADS_RULE`` says,
@@ -569,13 +599,12 @@ class GroupedMLP(nn.Module):
 
     def _traced_runs_heads(self, x: torch.Tensor) -> bool:
         """Whether a traced ``auto`` runs the heads (``TRACED_HEADS_RULE``; shapes only, no batch)."""
-        if x.device.type not in TRACED_HEADS_DEVICES:
+        if x.device.type not in HEADS_DEVICES:
             return False
         layers = tuple(self._modules["layers"]._modules.values())
-        grouped = [layer for layer in layers if layer.groups > 1]
-        if not grouped or x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
+        smallest = self._smallest_grouped_block()
+        if smallest is None or x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
             return False
-        smallest = min((layer.in_features // layer.groups) * (layer.out_features // layer.groups) for layer in grouped)
         if not any(smallest >= area and (most is None or self.heads <= most) for area, most in TRACED_HEADS_RULE):
             return False
         if any(layer._backend != "auto" for layer in layers):
@@ -693,6 +722,12 @@ class GroupedMLP(nn.Module):
         why = self._auto_context(x)
         if why is not None:
             return MLPPlan("layers", "auto", f"the chain is not allowed here: {why}", layers=plans)
+        if any(p.problem.requires_grad for p in plans) and self._eager_heads_pay(x):
+            area, heads, rows = EAGER_HEADS_RULE
+            return MLPPlan("heads", "auto", (
+                f"allowed, in training, and every grouped block has at least {area} elements, with {heads} heads "
+                f"or more and {rows} rows or more (EAGER_HEADS_RULE): there the heads one after another were "
+                "faster than the chain and the layers in scripts/bench_mlp_heads.py's timings"), layers=plans)
         chain, reason, chain_us, layers_us, plans = self._measured_choice(x)
         return MLPPlan("fm_chain" if chain else "layers", "auto", reason, chain_us, layers_us, plans)
 
