@@ -214,8 +214,8 @@ TRACED_LAYERS_MIN_FLOPS = 10_000_000
 # serving every batch size follows it too. Measured with scripts/bench_mlp_heads.py over
 # bench's grid (docs/results/mlp-heads-strategy-avx512.json): compiled, the heads were
 # faster than ``auto`` at the 256x256 blocks and at 64x64 with 4 heads (all but one point),
-# slower at the smaller blocks and at 64x64 with 16 or 50 heads. Eager ``auto`` does not
-# run the heads: there they beat it at few points, by little, and stayed slower than the loop.
+# slower at the smaller blocks and at 64x64 with 16 or 50 heads. Eager ``auto`` follows
+# EAGER_HEADS_RULE instead (below): eager, the heads win at fewer shapes.
 HEADS_DEVICES = frozenset({"cpu"})
 TRACED_HEADS_RULE = ((256 * 256, None), (64 * 64, 4))
 
