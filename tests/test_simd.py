@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blockdiag import BlockDiagError, grouped_linear
-from blockdiag.backends import get, simd
+from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.testing import reference_loop
 
 pytestmark = pytest.mark.skipif(
@@ -36,6 +36,21 @@ def _compare(x, w, b, gy, dtype):
     assert len(got) == len(want)
     for name, a, c in zip(("y", "gx", "gw", "gb"), got, want):
         torch.testing.assert_close(a, c, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture(params=["ops", "ctypes"])
+def route(request, monkeypatch):
+    """How simd's kernels are called: through the C++ ops (where they build here) or ctypes."""
+    if request.param == "ctypes":
+        # A dtype mapped to None is one the ops are not armed for: the ctypes wrappers run.
+        monkeypatch.setattr(_simd_ops, "_ARMED", {torch.float32: None, torch.float64: None})
+    else:
+        grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")  # arms float32
+        grouped_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 2, 2, dtype=torch.float64), None,
+                       backend="simd")
+        if _simd_ops.ops(torch.float32) is None:
+            pytest.skip(f"simd's C++ ops are not built here: {_simd_ops.note()}")
+    return request.param
 
 
 @pytest.fixture
@@ -72,7 +87,7 @@ def fresh_library(monkeypatch, tmp_path):
     ids=lambda v: str(v),
 )
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_every_tile_path_matches_the_loop_reference(dtype, n, g, i, o, bias):
+def test_every_tile_path_matches_the_loop_reference(dtype, n, g, i, o, bias, route):
     gen = torch.Generator().manual_seed(n * 1000 + g * 100 + i + o)
     x = torch.randn(n, g * i, dtype=dtype, generator=gen, requires_grad=True)
     w = torch.randn(g, o, i, dtype=dtype, generator=gen, requires_grad=True)
@@ -83,7 +98,7 @@ def test_every_tile_path_matches_the_loop_reference(dtype, n, g, i, o, bias):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("n,g,i,o", [(130, 7, 10, 12), (20, 5, 16, 24)], ids=["by rows", "by groups"])
-def test_results_do_not_depend_on_the_thread_count(threads, n, g, i, o):
+def test_results_do_not_depend_on_the_thread_count(threads, n, g, i, o, route):
     # The work is split differently per thread count (the products' row tiles or groups, the
     # weight gradient's items and row blocks); every split must give the same sums. With 3
     # threads the second shape's forward splits groups between threads.
@@ -101,7 +116,9 @@ def test_results_do_not_depend_on_the_thread_count(threads, n, g, i, o):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_column_slices_are_read_and_written_in_place(dtype, monkeypatch):
     # x is columns 3.. of a [9, 40] tensor (row stride 40 > G*in = 24): the kernel must get
-    # x's own pointer and the leading dimension 40, not a copy.
+    # x's own pointer and the leading dimension 40, not a copy. The ctypes wrappers are spied
+    # on here; tests/test_simd_ops.py checks the C++ ops make no copy either.
+    monkeypatch.setattr(_simd_ops, "_ARMED", {torch.float32: None, torch.float64: None})
     g, i, o = 3, 8, 5
     wide = torch.randn(9, 40, dtype=dtype)
     x = wide[:, 3 : 3 + g * i].detach().requires_grad_(True)
@@ -125,7 +142,7 @@ def test_column_slices_are_read_and_written_in_place(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["column-major x", "expanded gy", "broadcast-row gy"])
-def test_unusual_strides_are_correct(kind):
+def test_unusual_strides_are_correct(kind, route):
     g, i, o, n = 2, 3, 4, 6
     dt = torch.float64
     x = torch.randn(n, g * i, dtype=dt)
@@ -142,7 +159,7 @@ def test_unusual_strides_are_correct(kind):
     _compare(x, w, b, gy, dt)
 
 
-def test_only_the_bias_needs_a_gradient():
+def test_only_the_bias_needs_a_gradient(route):
     x, w = torch.randn(5, 6), torch.randn(2, 3, 3)
     b = torch.randn(6, requires_grad=True)
     gy = torch.randn(5, 6)

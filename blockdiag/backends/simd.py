@@ -106,6 +106,7 @@ import torch
 from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, register
 from ..ops import OpEntry, define
+from . import _simd_ops
 from ._native import check_stored
 from .bmm import _fm_backward, bmm_fm_forward
 
@@ -223,7 +224,8 @@ def variant_note() -> str:
     v = _INFO.get("variant")
     threads = {True: "OpenMP threads", False: "serial: the compiler has no OpenMP", None: "threads unknown"}
     forced = f", forced by {ISA_ENV}" if _INFO.get("forced") else ""
-    return f"simd kernels: {v} ({_VARIANT_ISA.get(v, v)}; {threads[_INFO.get('openmp')]}{forced})"
+    return (f"simd kernels: {v} ({_VARIANT_ISA.get(v, v)}; {threads[_INFO.get('openmp')]}{forced}); "
+            f"{_simd_ops.note()}")
 
 
 def kernel_dir() -> Path:
@@ -318,6 +320,49 @@ def _damage(data: bytes) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _staging(target: Path):
+    """A new temporary file beside ``target`` for a compiler to write; removed unless installed.
+
+    Raises OSError when ``target``'s folder cannot be written.
+    """
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def _compile(cmd: list, what: str) -> Optional[str]:
+    """Run the compiler command ``cmd`` (``what`` it builds); why it failed, or None."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"compiling {what} with {cmd[0]} failed: {e}"
+    if done.returncode == 0:
+        return None
+    tail = " ".join(done.stderr.strip().splitlines()[-3:])
+    return f"compiling {what} with {cmd[0]} failed (exit {done.returncode}): {tail}"
+
+
+def _install(built: Path, target: Path, cmd: list) -> Optional[str]:
+    """Append the build record to the library ``built`` and rename it to ``target`` (one step).
+
+    Why it cannot be (the compiler wrote nothing), or None.
+    """
+    data = built.read_bytes()
+    if not data:
+        return f"the compiler {cmd[0]} exited 0 but produced no library ({' '.join(cmd)})"
+    with open(built, "ab") as f:
+        f.write(_record(data))
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(built, 0o700)
+    os.replace(built, target)
+    return None
+
+
 def _build(cc: str, source_dir: Path, target: Path, flags: tuple = ()) -> Optional[str]:
     """Compile the kernels into ``target`` with their build record (atomically); why it failed, or None.
 
@@ -325,43 +370,20 @@ def _build(cc: str, source_dir: Path, target: Path, flags: tuple = ()) -> Option
     without (the serial kernels: a compiler without OpenMP). Raises OSError when ``target``'s
     folder cannot be written.
     """
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp: Optional[Path] = Path(name)
-    try:
-        why = None
+    with _staging(target) as tmp:
         for openmp in ((_OPENMP,), ()):
             # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
             cmd = [cc, *_FLAGS, *flags, *openmp, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return f"compiling the kernels with {cc} failed: {e}"
-            if done.returncode == 0:
-                why = None
+            why = _compile(cmd, "the kernels")
+            if why is None:
                 break
-            tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            why = f"compiling the kernels with {cc} failed (exit {done.returncode}): {tail}"
             if openmp:
                 first = why
-            else:
-                why = f"{why} (and with {_OPENMP}: {first})" if first != why else why
+            elif first != why:
+                why = f"{why} (and with {_OPENMP}: {first})"
         if why is not None:
             return why
-        data = tmp.read_bytes()
-        if not data:
-            return f"the C compiler {cc} exited 0 but produced no library ({' '.join(cmd)})"
-        with open(tmp, "ab") as f:
-            f.write(_record(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, target)
-        tmp = None
-        return None
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        return _install(tmp, target, cmd)
 
 
 def _load(path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
@@ -474,6 +496,7 @@ def _load_or_build(cc: str, source_dir: Path, path: Path,
 def _library() -> tuple[Optional[dict], Optional[str]]:
     """``({dtype: (forward, grad_input, grad_weight)}, None)``, or ``(None, why not)``."""
     _INFO.clear()
+    _simd_ops.disarm()  # the C++ ops hold the previous library's kernels
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         return None, f"needs Linux on x86-64 or aarch64 (this is {sys.platform} on {platform.machine()})"
     cpu = _cpu_description()
@@ -704,6 +727,12 @@ def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in the C kernels."""
     if x.numel() == 0 or weight.numel() == 0:
         return bmm_fm_forward(x, weight, bias)  # empty or bias-only: torch's ops
+    native = _simd_ops.ops(x.dtype)
+    if native is not None:
+        try:
+            return native.forward(x, weight, bias)
+        except RuntimeError:
+            pass  # refused: the ctypes wrapper copies or resolves the operands, or says precisely why not
     return _forward(x, weight, bias)
 
 
@@ -711,6 +740,13 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     """The gradients, computed by the kernels (first order)."""
     if x.numel() == 0 or weight.numel() == 0:
         return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
+    native = _simd_ops.ops(gy.dtype)
+    if native is not None:
+        try:
+            gx, gw, gb = native.backward(gy, x, weight, has_bias, need_x, need_w)
+            return (gx if need_x else None), (gw if need_w else None), (gb if has_bias else None)
+        except RuntimeError:
+            pass  # refused: the ctypes wrappers copy or resolve the operands, or say precisely why not
     weight = weight.contiguous()
     gy = _cols(gy)
     gx = _grad_input(gy, weight) if need_x else None
@@ -726,7 +762,35 @@ def _operands_check(x, weight, bias) -> Optional[str]:
     if x.numel() == 0 or weight.numel() == 0:
         return None
     why = self_check(x.dtype)
-    return None if why is None else f"{why}; choose another backend"
+    if why is not None:
+        return f"{why}; choose another backend"
+    if x.dtype not in _simd_ops._ARMED:
+        # Checked: the C++ ops may call these kernels from now on (built and loaded on the first call).
+        with _isolated():
+            _simd_ops.arm(x.dtype, _library()[0][x.dtype], functools.partial(_ops_agree, x.dtype))
+    return None
+
+
+def _ops_agree(dtype: torch.dtype, native) -> Optional[str]:
+    """Why products through the C++ ops ``native`` differ from the same through ctypes, or None.
+
+    The same kernels on the same operands: every result must be bitwise equal. A column slice
+    of a wider input checks the leading dimensions the ops pass.
+    """
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 20, generator=gen, dtype=dtype)
+    weight = torch.randn(3, 5, 4, generator=gen, dtype=dtype)
+    bias = torch.randn(15, generator=gen, dtype=dtype)
+    gy = torch.randn(6, 15, generator=gen, dtype=dtype)
+    for x in (wide[:, :12].contiguous(), wide[:, 4:16]):
+        if not torch.equal(native.forward(x, weight, bias), _forward(x, weight, bias)):
+            return f"the forward on a {tuple(x.shape)} input with strides {x.stride()}"
+        got = native.backward(gy, x, weight, True, True, True)
+        want = (_grad_input(gy, weight), *_grad_weight(gy, x, weight.shape, True))
+        for name, a, b in zip(("input", "weight", "bias"), got, want):
+            if not torch.equal(a, b):
+                return f"the {name} gradient on a {tuple(x.shape)} input with strides {x.stride()}"
+    return None
 
 
 simd = define(OpEntry("simd", _kernel_forward, _kernel_backward, native=True, check=_operands_check))

@@ -1,0 +1,237 @@
+"""simd's kernels called through C++ torch operators instead of ctypes (``_simd_ops.cpp``).
+
+Around each C kernel call, simd's Python wrapper checks every operand, allocates the result
+and converts a dozen ctypes arguments: at small products that costs more than the product
+(a forward's Python is several microseconds, a backward's twice that; ``blockdiag bench``
+measures the effect). ``_simd_ops.cpp`` does the same checks, allocations and calls in C++,
+as two ops reached through one dispatcher call each:
+
+* ``blockdiag::simd_native(Tensor x, Tensor weight, Tensor? bias) -> Tensor``;
+* ``blockdiag::simd_native_backward(Tensor grad, Tensor x, Tensor weight, bool has_bias,
+  bool need_input, bool need_weight) -> (Tensor, Tensor, Tensor)``.
+
+They are simd's kernels, not another backend: simd's op, its autograd and its routes are
+unchanged, and call these where they called the C kernels. Each has a fake kernel; their
+Autograd kernels refuse a call that autograd would record (their derivative is simd's).
+
+How they come to run, once per process:
+
+* built on first use with the C++ compiler ``$CXX`` (default ``c++``) against the installed
+  torch's headers and libraries (``-std=c++20``, torch's C++ ABI), about 7 s, and cached as
+  simd's C library is: in the same private folder, with the same build record, checked the
+  same way before it is loaded (see :mod:`blockdiag.backends.simd`); the name hashes the
+  source, the flags, the compiler's version and torch's version and build;
+* loaded once (its ops cannot be registered twice in one process);
+* armed per dtype with the C kernels simd loaded, only after that dtype's self-check
+  passed, and only when one small product through the ops equals the same product through
+  ctypes; disarmed when simd loads another library.
+
+When any step fails (no C++ compiler, no torch headers, a build error) simd runs through
+ctypes as before, and :func:`note` says why. A call the ops refuse (an operand they cannot
+take in place, which the ctypes wrapper copies, resolves or refuses precisely) falls back to
+the ctypes wrapper for that call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["NativeOps", "arm", "disarm", "note", "ops"]
+
+_SOURCE = "_simd_ops.cpp"
+_ABI = 1
+_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
+_PREFIX = "torchops-simd-"
+_DTYPES = {torch.float32: 0, torch.float64: 1}
+_LOCK = threading.Lock()
+
+
+class NativeOps(NamedTuple):
+    """The two ops (their default overloads) and the library that registered them."""
+
+    forward: object
+    backward: object
+    library: ctypes.CDLL
+
+
+def _torch_paths() -> tuple[list, Path]:
+    """(include folders, library folder) of the installed torch."""
+    root = Path(torch.__file__).resolve().parent
+    return [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"], root / "lib"
+
+
+def _command(cxx: str, out: Path, source: Path) -> list:
+    includes, libdir = _torch_paths()
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), "-o", str(out),
+            "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
+
+
+def _build(cxx: str, source: Path, target: Path) -> Optional[str]:
+    from . import simd
+
+    with simd._staging(target) as tmp:
+        cmd = _command(cxx, tmp, source)
+        why = simd._compile(cmd, "simd's C++ ops")
+        return why if why is not None else simd._install(tmp, target, cmd)
+
+
+def _load_or_build(cxx: str, source: Path, path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str], bool]:
+    """The library at ``path``, built there first if missing or damaged: ``(library, why not, final)``."""
+    from . import simd
+
+    stale = None
+    if os.path.lexists(path):
+        lib, stale = simd._load(path)
+        if lib is not None:
+            return lib, None, True
+    try:
+        why = _build(cxx, source, path)
+    except OSError as e:
+        return None, f"cannot write simd's C++ ops to {path.parent}: {e}", False
+    if why is not None:
+        return None, why if stale is None else f"{stale}; rebuilding it: {why}", True
+    lib, why = simd._load(path)
+    return lib, None if lib is not None else f"the library just built is unusable: {why}", True
+
+
+def _fake_forward(x, weight, bias):
+    g, o, _ = weight.shape
+    return x.new_empty(x.shape[0], g * o)
+
+
+def _register(lib: ctypes.CDLL, path: Path) -> tuple[Optional[NativeOps], Optional[str]]:
+    if not hasattr(lib, "bd_ops_abi_version"):
+        return None, f"{path} does not export bd_ops_abi_version (not blockdiag's C++ ops)"
+    lib.bd_ops_abi_version.restype, lib.bd_ops_abi_version.argtypes = ctypes.c_int, []
+    if lib.bd_ops_abi_version() != _ABI:
+        return None, f"{path} has ops ABI {lib.bd_ops_abi_version()}, this blockdiag needs {_ABI}"
+    for name in ("bd_ops_set", "bd_ops_clear"):
+        if not hasattr(lib, name):
+            return None, f"{path} does not export {name}"
+    lib.bd_ops_set.restype = ctypes.c_int
+    lib.bd_ops_set.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.bd_ops_clear.restype, lib.bd_ops_clear.argtypes = None, []
+    try:
+        forward = torch.ops.blockdiag.simd_native.default
+        backward = torch.ops.blockdiag.simd_native_backward.default
+    except (AttributeError, RuntimeError) as e:
+        return None, f"{path} loaded but registered no ops: {e}"
+    from ..ops._define import fake_backward
+
+    torch.library.register_fake("blockdiag::simd_native", _fake_forward)
+    torch.library.register_fake("blockdiag::simd_native_backward", fake_backward)
+    return NativeOps(forward, backward, lib), None
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
+    """``(ops, None)`` once the library is built and loaded in this process, else ``(None, why not)``.
+
+    Never cleared: a library's ops are registered for the life of the process.
+    """
+    from . import simd
+
+    cxx_name = os.environ.get("CXX") or "c++"
+    cxx = shutil.which(cxx_name)
+    if cxx is None:
+        return None, f"no C++ compiler: {cxx_name} is not on PATH (set $CXX)"
+    includes, _ = _torch_paths()
+    if not (includes[0] / "torch" / "library.h").is_file():
+        return None, f"the installed torch has no C++ headers ({includes[0]})"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"cannot run the C++ compiler {cxx}: {e}"
+    source = Path(__file__).resolve().parent / _SOURCE
+    digest = hashlib.sha256()
+    for part in (str(_ABI), " ".join(_command(cxx, Path("out"), source)), version, torch.__version__,
+                 str(torch.version.git_version)):
+        digest.update(part.encode() + b"\0")
+    digest.update(source.read_bytes())
+    name = f"{_PREFIX}{digest.hexdigest()[:20]}.so"
+    folder = simd.kernel_dir()
+    why = simd._cache_folder(folder)
+    if why is None:
+        lib, why, final = _load_or_build(cxx, source, folder / name)
+        if lib is not None:
+            return _register(lib, folder / name)
+        if final:
+            return None, why
+    try:
+        temp = simd._private_temp_folder()
+    except OSError as e:
+        return None, f"no usable folder for simd's C++ ops: {why}; no private temporary folder either: {e}"
+    lib, why2, _ = _load_or_build(cxx, source, temp / name)
+    if lib is None:
+        return None, f"{why2} (the cache could not be used: {why})"
+    return _register(lib, temp / name)
+
+
+# dtype -> NativeOps while armed with the current C library's kernels; dtype -> None once
+# arming failed for that library (see _WHY).
+_ARMED: dict = {}
+_WHY: dict = {}
+
+
+def ops(dtype: torch.dtype) -> Optional[NativeOps]:
+    """The ops armed for ``dtype``, or None (not armed: the ctypes wrapper runs)."""
+    return _ARMED.get(dtype)
+
+
+def arm(dtype: torch.dtype, kernels: tuple, agree) -> None:
+    """Hand ``dtype``'s self-checked C ``kernels`` (forward, input and weight gradient, ctypes
+    functions) to the ops, once per loaded C library; ``agree(ops)`` says why a small product
+    through them differs from the ctypes wrapper's, or None. Builds and loads the ops on the
+    first call. Whether it worked is in :func:`ops` and :func:`note`.
+    """
+    with _LOCK:
+        if dtype in _ARMED:
+            return
+        found, why = _loaded()
+        if found is None or dtype not in _DTYPES:
+            _ARMED[dtype], _WHY[dtype] = None, why or f"no ops for {dtype}"
+            return
+        addresses = [ctypes.cast(fn, ctypes.c_void_p).value for fn in kernels]
+        if found.library.bd_ops_set(_DTYPES[dtype], *addresses) != 0:
+            _ARMED[dtype], _WHY[dtype] = None, f"the ops refused the {dtype} kernels (a null address)"
+            return
+        why = agree(found)
+        if why is not None:
+            found.library.bd_ops_clear()
+            _ARMED.clear()
+            _ARMED[dtype], _WHY[dtype] = None, f"a product through the ops differs from ctypes: {why}"
+            return
+        _ARMED[dtype] = found
+        _WHY.pop(dtype, None)
+
+
+def disarm() -> None:
+    """Take every dtype's kernels back (simd is loading another library): the ops refuse until armed again."""
+    with _LOCK:
+        _ARMED.clear()
+        _WHY.clear()
+        found = _loaded()[0] if _loaded.cache_info().currsize else None
+        if found is not None:
+            found.library.bd_ops_clear()
+
+
+def note() -> str:
+    """How simd's kernels are called here: through the C++ ops, or through ctypes and why."""
+    armed = [str(d).removeprefix("torch.") for d, o in _ARMED.items() if o is not None]
+    if armed:
+        return f"called through C++ ops ({', '.join(sorted(armed))})"
+    why = next(iter(_WHY.values()), None)
+    if why is not None:
+        return f"called through ctypes: {why}"
+    return "called through C++ ops once a dtype's kernels pass their self-check"

@@ -1,0 +1,263 @@
+"""simd's kernels through its C++ ops (``blockdiag::simd_native`` and its backward).
+
+tests/test_simd.py runs every tile path through both call routes (the ops and ctypes), and
+tests/test_backends.py runs simd as every backend is run. These check the ops themselves:
+the same results as the ctypes wrappers on drawn shapes and strides, ``opcheck``, what they
+refuse and how simd falls back, when they are armed, and how a failed build leaves simd.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdiag import BlockDiagError, grouped_linear
+from blockdiag.backends import _simd_ops, get, simd
+from blockdiag.testing import reference_loop
+
+from _params import run_or_fail_on_hang
+
+pytestmark = pytest.mark.skipif(
+    get("simd").unavailable_reason() is not None,
+    reason=f"simd unavailable here: {get('simd').unavailable_reason()}",
+)
+
+DTYPES = [torch.float32, torch.float64]
+DTYPE_IDS = ["float32", "float64"]
+
+
+@pytest.fixture
+def native():
+    """The ops, armed for both dtypes (skipped only where no C++ compiler is on PATH)."""
+    for dtype in DTYPES:
+        grouped_linear(torch.randn(2, 4, dtype=dtype), torch.randn(2, 2, 2, dtype=dtype), None, backend="simd")
+    found = _simd_ops.ops(torch.float32)
+    if found is None:
+        if shutil.which(os.environ.get("CXX") or "c++") is None:
+            pytest.skip(f"no C++ compiler here: {_simd_ops.note()}")
+        pytest.fail(f"a C++ compiler is here but simd's ops are not armed: {_simd_ops.note()}")
+    assert _simd_ops.ops(torch.float64) is found
+    return found
+
+
+def _wrappers_forward(x, w, b):
+    return simd._forward(x, w, b)
+
+
+def _wrappers_backward(gy, x, w, has_bias, need_x, need_w):
+    gx = simd._grad_input(simd._cols(gy), w.contiguous()) if need_x else None
+    gw = gb = None
+    if need_w:
+        gw, gb = simd._grad_weight(simd._cols(gy), simd._cols(x), w.shape, has_bias)
+    elif has_bias:
+        gb = gy.sum(0)
+    return gx, gw, gb
+
+
+@st.composite
+def _operands(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    g, i, o = draw(st.integers(1, 5)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    n = draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    x_kind = draw(st.sampled_from(["contiguous", "column slice", "column-major", "one row broadcast"]))
+    gy_kind = draw(st.sampled_from(["contiguous", "column slice", "expanded scalar"]))
+    if x_kind == "contiguous":
+        x = torch.randn(n, g * i, dtype=dtype, generator=gen)
+    elif x_kind == "column slice":
+        extra = draw(st.integers(1, 7))
+        x = torch.randn(n, g * i + extra, dtype=dtype, generator=gen)[:, extra:]
+    elif x_kind == "column-major":
+        x = torch.randn(g * i, n, dtype=dtype, generator=gen).t()
+    else:
+        x = torch.randn(1, g * i, dtype=dtype, generator=gen).expand(n, g * i)
+    if gy_kind == "contiguous":
+        gy = torch.randn(n, g * o, dtype=dtype, generator=gen)
+    elif gy_kind == "column slice":
+        gy = torch.randn(n, g * o + 3, dtype=dtype, generator=gen)[:, 2 : 2 + g * o]
+    else:
+        gy = torch.tensor(1.25, dtype=dtype).expand(n, g * o)
+    w = torch.randn(g, o, i, dtype=dtype, generator=gen)
+    if draw(st.booleans()):
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous weight: copied
+    b = torch.randn(g * o, dtype=dtype, generator=gen) if draw(st.booleans()) else None
+    return x, w, b, gy
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_operands(), need=st.sampled_from([(True, True), (True, False), (False, True), (False, False)]))
+def test_the_ops_equal_the_ctypes_wrappers_on_drawn_shapes_and_strides(native, ops, need):
+    # The same kernels on the same operands: bitwise equal, outputs and every gradient.
+    x, w, b, gy = ops
+    assert torch.equal(native.forward(x, w, b), _wrappers_forward(x, w, b))
+    need_x, need_w = need
+    got = native.backward(gy, x, w, b is not None, need_x, need_w)
+    want = _wrappers_backward(gy, x, w, b is not None, need_x, need_w)
+    for name, a, c in zip(("input", "weight", "bias"), got, want):
+        if c is None:
+            assert a.numel() == 0, name  # not asked for: 0 elements
+        else:
+            assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_the_ops_match_the_float64_loop_reference(native, dtype):
+    x = torch.randn(37, 3 * 11, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, 9, 11, dtype=dtype, requires_grad=True)
+    b = torch.randn(27, dtype=dtype, requires_grad=True)
+    gy = torch.randn(37, 27, dtype=dtype)
+    want = reference_loop(x.double(), w.double(), b.double())
+    want_grads = torch.autograd.grad(want, (x, w, b), gy.double())
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype is torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    with torch.no_grad():
+        torch.testing.assert_close(native.forward(x, w, b).double(), want, **tol)
+        for got, ref in zip(native.backward(gy, x, w, True, True, True), want_grads):
+            torch.testing.assert_close(got.double(), ref.double(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_opcheck(native, dtype, bias):
+    # Schema, fake kernels and dynamic shapes; no autograd test: these ops run below autograd.
+    x, w = torch.randn(6, 12, dtype=dtype), torch.randn(3, 5, 4, dtype=dtype)
+    b = torch.randn(15, dtype=dtype) if bias else None
+    gy = torch.randn(6, 15, dtype=dtype)
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(native.forward, (x, w, b), test_utils=tests)
+    for need in [(True, True), (True, False), (False, True)]:
+        torch.library.opcheck(native.backward, (gy, x, w, bias, *need), test_utils=tests)
+
+
+def test_the_fake_kernels_give_shapes_without_data(native):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w, gy = torch.randn(7, 12), torch.randn(3, 5, 4), torch.randn(7, 15)
+        assert native.forward(x, w, None).shape == (7, 15)
+        gx, gw, gb = native.backward(gy, x, w, True, True, False)
+        assert (gx.shape, gw.shape, gb.shape) == ((7, 12), (0,), (15,))
+    y = native.forward(torch.randn(7, 12, device="meta"), torch.randn(3, 5, 4, device="meta"), None)
+    assert y.device.type == "meta" and y.shape == (7, 15)
+
+
+def test_a_call_autograd_would_record_is_refused(native):
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(2, 3, 3)
+    with pytest.raises(RuntimeError, match="simd_native is one of simd's kernels and has no autograd"):
+        native.forward(x, w, None)
+    with pytest.raises(RuntimeError, match="simd_native_backward is one of simd's kernels"):
+        native.backward(torch.randn(4, 6), x, w, False, True, True)
+    with torch.no_grad():
+        assert native.forward(x, w, None).shape == (4, 6)
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("dtypes differ", "weight must be Float"),
+        ("3-d input", "input must be 2-d"),
+        ("width", "does not match weight"),
+        ("bias shape", "bias must be"),
+        ("no storage", "has no"),
+    ],
+)
+def test_the_ops_refuse_what_the_kernels_cannot_take(native, case, match):
+    x, w, b = torch.randn(5, 6), torch.randn(2, 3, 3), torch.randn(6)
+    if case == "dtypes differ":
+        w = w.double()
+    elif case == "3-d input":
+        x = x.reshape(5, 2, 3)
+    elif case == "width":
+        x = torch.randn(5, 7)
+    elif case == "bias shape":
+        b = torch.randn(7)
+    else:
+        x.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=match):
+        native.forward(x, w, b)
+
+
+def test_simd_falls_back_to_the_ctypes_wrappers_where_the_ops_refuse(native):
+    x = torch.randn(5, 6)
+    w, b = torch.randn(2, 3, 3), torch.randn(6)
+    # A lazily negated input: the dispatcher resolves it before the ops' kernel sees it.
+    torch.testing.assert_close(native.forward(torch._neg_view(x), w, b), native.forward(-x, w, b))
+    torch.testing.assert_close(grouped_linear(torch._neg_view(x), w, b, backend="simd"), reference_loop(-x, w, b))
+    # Mixed dtypes: refused by the ops, then precisely by the wrapper.
+    with pytest.raises(BlockDiagError, match=r"simd: weight must be torch.float32 like the input, got torch.float64"):
+        simd._kernel_forward(x, w.double(), None)
+
+
+def test_the_ops_make_no_copy_of_a_column_slice(native):
+    # x is columns 3.. of a [9, 40] tensor: read in place (no copy under the op), while a
+    # column-major x is copied once. The profiler takes the op route, so the ops' calls show.
+    wide = torch.randn(9, 40)
+    w, b = torch.randn(3, 5, 8), torch.randn(15)
+
+    def copies(x):
+        with torch.profiler.profile() as prof:
+            grouped_linear(x, w, b, backend="simd")
+        names = [e.name for e in prof.events()]
+        assert "blockdiag::simd_native" in names
+        return names.count("aten::copy_")
+
+    assert copies(wide[:, 3:27]) == 0
+    assert copies(torch.randn(24, 9).t()) == 1
+
+
+def test_disarmed_ops_refuse_and_simd_arms_them_again(native):
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    _simd_ops.disarm()
+    with pytest.raises(RuntimeError, match="kernels are not loaded and self-checked"):
+        native.forward(x, w, None)
+    torch.testing.assert_close(grouped_linear(x, w, None, backend="simd"), reference_loop(x, w, None))
+    assert _simd_ops.ops(torch.float32) is native  # armed again by that call's check
+    native.forward(x, w, None)
+
+
+def test_ops_that_disagree_with_ctypes_are_not_armed(native, monkeypatch):
+    monkeypatch.setattr(_simd_ops, "_ARMED", {})
+    monkeypatch.setattr(_simd_ops, "_WHY", {})
+    _simd_ops.arm(torch.float32, simd._library()[0][torch.float32], lambda ops: "planted disagreement")
+    assert _simd_ops.ops(torch.float32) is None
+    assert "a product through the ops differs from ctypes: planted disagreement" in _simd_ops.note()
+    with pytest.raises(RuntimeError, match="not loaded and self-checked"):
+        native.forward(torch.randn(4, 6), torch.randn(2, 3, 3), None)
+    # simd still runs, through ctypes
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    torch.testing.assert_close(grouped_linear(x, w, None, backend="simd"), reference_loop(x, w, None))
+    monkeypatch.undo()
+    _simd_ops.disarm()
+
+
+def test_the_explain_line_says_how_the_kernels_are_called(native):
+    assert "called through C++ ops (float32, float64)" in simd.variant_note()
+
+
+def test_without_a_cpp_compiler_simd_runs_through_ctypes_and_says_why(tmp_path):
+    # A fresh process and cache, $CXX a compiler that always fails: the C kernels build with
+    # $CC as ever, the ops do not; simd still computes, and the explain line says why.
+    code = textwrap.dedent(
+        """
+        import torch
+        from blockdiag import grouped_linear
+        from blockdiag.backends import _simd_ops, simd
+        from blockdiag.testing import reference_loop
+        x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+        torch.testing.assert_close(grouped_linear(x, w, None, backend="simd"), reference_loop(x, w, None))
+        assert _simd_ops.ops(torch.float32) is None
+        print(simd.variant_note())
+        """
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": shutil.which("false")}
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess", env=env)
+    assert rc == 0, err
+    assert "called through ctypes: compiling simd's C++ ops with" in out and "failed (exit 1)" in out
