@@ -701,6 +701,33 @@ def mlp_heads_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def simd_ops_markdown(name: str) -> str:
+    """``scripts/bench_simd_ops.py``'s rows: simd through its C++ ops over simd through ctypes."""
+    d = _load(name)
+    out = [
+        (f"**What**: {d['what']}. **Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}, "
+         f"{d.get('dtype', '?')}, blockdiag at `{str(d.get('commit', '?'))[:10]}`; median of {d.get('rounds', '?')} "
+         f"interleaved rounds. **Command**: `{d.get('command', '')}` (file: `docs/results/{name}`)."),
+        "",
+        "Times in µs; *ops / ctypes* below 1: the C++ ops are faster.",
+        "",
+        "| batch | groups | block | forward, ops | forward, ctypes | ops / ctypes | train, ops | train, ctypes "
+        "| ops / ctypes |",
+        "|---" * 9 + "|",
+    ]
+    for r in d["rows"]:
+        t = r["times_us"]
+        out.append(f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | {t['forward_ops']:.1f} | "
+                   f"{t['forward_ctypes']:.1f} | {r['forward_ops_over_ctypes']:.2f} | {t['train_ops']:.1f} | "
+                   f"{t['train_ctypes']:.1f} | {r['train_ops_over_ctypes']:.2f} |")
+    out += ["", "| mode | ops / ctypes, geometric mean | best | worst |", "|---|---|---|---|"]
+    for mode, sm in d["summary"].items():
+        out.append(f"| {mode} | {sm['geomean_ops_over_ctypes']:.3f} | {sm['min_ops_over_ctypes']:.2f} | "
+                   f"{sm['max_ops_over_ctypes']:.2f} |")
+    out.append("")
+    return "\n".join(out)
+
+
 def asv_time_noise_markdown(name: str) -> str:
     """Three asv runs of unchanged code: how far each time benchmark family moved."""
     d = _load(name)
@@ -865,6 +892,7 @@ _FILE_MARKERS = {
     "mlp-strategy": mlp_strategy_markdown,
     "mlp-traced": mlp_traced_markdown,
     "mlp-heads": mlp_heads_markdown,
+    "simd-ops": simd_ops_markdown,
     "asv-time-noise": asv_time_noise_markdown,
     "asv-history": asv_history_markdown,
     "asv-stability": asv_stability_markdown,

@@ -157,6 +157,12 @@ def test_a_call_autograd_would_record_is_refused(native):
         native.backward(torch.randn(4, 6), x, w, False, True, True)
     with torch.no_grad():
         assert native.forward(x, w, None).shape == (4, 6)
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level(), torch.no_grad():  # a tangent would be dropped: refused
+        dual = fwad.make_dual(torch.randn(4, 6), torch.randn(4, 6))
+        with pytest.raises(RuntimeError, match="without a forward-mode tangent"):
+            native.forward(dual, w, None)
 
 
 @pytest.mark.parametrize(

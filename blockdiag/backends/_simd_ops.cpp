@@ -2,9 +2,9 @@
 // blockdiag::simd_native_backward (see _simd_ops.py, which builds and loads this file).
 //
 // simd's Python wrapper checks each operand, allocates the result and calls the C kernels
-// through ctypes: about 8 us of Python around a forward and 18 us around a backward, more
-// than the product itself at small sizes. Here the same checks, allocations and calls run
-// in C++, reached from Python through one dispatcher call each.
+// through ctypes, which at small sizes costs more than the product itself (`blockdiag bench`
+// measures it). Here the same checks, allocations and calls run in C++, reached from Python
+// through one dispatcher call each.
 //
 // These ops are simd's kernels, not a second backend: they run below autograd, inside
 // simd's op or autograd Function (the backward is their own op), and refuse a call that
@@ -158,17 +158,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   return {gx, gw, gb};
 }
 
-// The Autograd kernels: a call autograd would record is refused (these ops have no
-// derivative of their own; simd's op and Function hold it); any other is passed below
-// autograd, to the CPU kernel, a fake kernel or a mode.
+// The Autograd kernels: a call autograd would record, or one with a forward-mode tangent,
+// is refused (these ops have no derivative of their own; simd's op and Function hold it),
+// never run without its derivative; any other is passed below autograd, to the CPU kernel,
+// a fake kernel or a mode.
 void refuse_recording(const char* op, std::initializer_list<const at::Tensor*> tensors) {
-  if (!c10::GradMode::is_enabled()) {
-    return;
-  }
+  const bool grad = c10::GradMode::is_enabled();
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t == nullptr || !t->defined() || !t->requires_grad(), "blockdiag::", op,
-                " is one of simd's kernels and has no autograd: call it under torch.no_grad(), or run simd "
-                "through blockdiag (backend=\"simd\"), whose op differentiates it");
+    if (t == nullptr || !t->defined()) {
+      continue;
+    }
+    TORCH_CHECK(!(grad && t->requires_grad()) && !t->_fw_grad(/*level=*/0).defined(), "blockdiag::", op,
+                " is one of simd's kernels and has no autograd: call it under torch.no_grad() on tensors without "
+                "a forward-mode tangent, or run simd through blockdiag (backend=\"simd\"), whose op "
+                "differentiates it");
   }
 }
 

@@ -2,8 +2,7 @@
 
 Around each C kernel call, simd's Python wrapper checks every operand, allocates the result
 and converts a dozen ctypes arguments: at small products that costs more than the product
-(a forward's Python is several microseconds, a backward's twice that; ``blockdiag bench``
-measures the effect). ``_simd_ops.cpp`` does the same checks, allocations and calls in C++,
+(``blockdiag bench`` measures the effect). ``_simd_ops.cpp`` does the same checks, allocations and calls in C++,
 as two ops reached through one dispatcher call each:
 
 * ``blockdiag::simd_native(Tensor x, Tensor weight, Tensor? bias) -> Tensor``;
@@ -155,7 +154,8 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
         return None, f"cannot run the C++ compiler {cxx}: {e}"
     source = Path(__file__).resolve().parent / _SOURCE
     digest = hashlib.sha256()
-    for part in (str(_ABI), " ".join(_command(cxx, Path("out"), source)), version, torch.__version__,
+    # The command with placeholder paths: the source's content, not where it lies, names the build.
+    for part in (str(_ABI), " ".join(_command(cxx, Path("out"), Path(_SOURCE))), version, torch.__version__,
                  str(torch.version.git_version)):
         digest.update(part.encode() + b"\0")
     digest.update(source.read_bytes())
