@@ -72,8 +72,11 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
             once = min(timeit.repeat(fn, number=1, repeat=3))
         numbers[mode, route] = max(1, int(min_time / max(once, 1e-7)))
     times: dict = {k: [] for k in steps}
-    for _ in range(rounds):
-        for (mode, route), fn in steps.items():
+    order = list(steps.items())
+    for r in range(rounds):
+        # Every other round in reverse: a step that runs after another's large allocations
+        # (page faults, cache) should not always be the same one.
+        for (mode, route), fn in order if r % 2 == 0 else order[::-1]:
             with _route(route, dtype):
                 n = numbers[mode, route]
                 times[mode, route].append(min(timeit.repeat(fn, number=n, repeat=2)) / n * 1e6)
