@@ -679,13 +679,18 @@ def _heads_rows(rows: list[dict]) -> list[str]:
     return out
 
 
+def _script_preamble(d: dict, name: str, setting: str = "") -> str:
+    """What a script's results file measured, where, and the command (``setting``: e.g. its dtype)."""
+    return (f"**What**: {d['what']}. **Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}{setting}; "
+            f"median of {d.get('rounds', '?')} interleaved rounds. **Command**: `{d.get('command', '')}` "
+            f"(file: `docs/results/{name}`).")
+
+
 def mlp_heads_markdown(name: str) -> str:
     """``scripts/bench_mlp_heads.py``'s rows, before the traced heads rule (its basis) and with it."""
     d = _load(name)
     out = [
-        (f"**What**: {d['what']}. **Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}; "
-         f"median of {d.get('rounds', '?')} interleaved rounds. **Command**: `{d.get('command', '')}` "
-         f"(file: `docs/results/{name}`)."),
+        _script_preamble(d, name),
         "",
         ("Times of a training step in ms (`_c`: compiled); *heads / auto* below 1: the heads are faster. "
          "*auto runs* is eager `auto`'s strategy."),
@@ -705,9 +710,7 @@ def simd_ops_markdown(name: str) -> str:
     """``scripts/bench_simd_ops.py``'s rows: simd through its C++ ops over simd through ctypes."""
     d = _load(name)
     out = [
-        (f"**What**: {d['what']}. **Machine**: {d.get('device_name', '?')}, torch {d.get('torch', '?')}, "
-         f"{d.get('dtype', '?')}, blockdiag at `{str(d.get('commit', '?'))[:10]}`; median of {d.get('rounds', '?')} "
-         f"interleaved rounds. **Command**: `{d.get('command', '')}` (file: `docs/results/{name}`)."),
+        _script_preamble(d, name, f", {d.get('dtype', '?')}, blockdiag at `{str(d.get('commit', '?'))[:10]}`"),
         "",
         "Times in µs; *ops / ctypes* below 1: the C++ ops are faster.",
         "",

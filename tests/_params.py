@@ -76,3 +76,19 @@ def run_or_fail_on_hang(argv, timeout: float, what: str, env=None):
         proc.communicate()
         pytest.fail(f"{what} hung (>{timeout} s)")
     return proc.returncode, out, err
+
+
+def tiny_script_run(script: str, out_dir) -> dict:
+    """Run ``scripts/<script>`` on one tiny point of its grid (B=8, G=3, 4x2 blocks, one short
+    round) with ``--json``; the JSON it wrote. A smoke test's run: no timing means anything."""
+    import json
+    import sys
+    from pathlib import Path
+
+    out = Path(out_dir) / "tiny.json"
+    script_path = Path(__file__).resolve().parents[1] / "scripts" / script
+    rc, _, err = run_or_fail_on_hang([sys.executable, str(script_path), "--batch", "8", "--groups", "3", "--blocks",
+                                      "4x2", "--rounds", "1", "--min-time", "0.001", "--json", str(out)],
+                                     300, script)
+    assert rc == 0, err
+    return json.loads(out.read_text())

@@ -4,21 +4,11 @@ A smoke test only: no timing is asserted (the figures are in
 docs/results/mlp-heads-strategy-avx512.json, measured by the script itself).
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _params import tiny_script_run
 
 
 def test_bench_mlp_heads_tiny_run_writes_its_json(tmp_path):
-    out = tmp_path / "heads.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_mlp_heads.py"), "--batch", "8", "--groups", "3",
-                        "--blocks", "4x2", "--rounds", "1", "--min-time", "0.001", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    d = json.loads(out.read_text())
+    d = tiny_script_run("bench_mlp_heads.py", tmp_path)
     (row,) = d["rows"]
     assert (row["batch"], row["groups"], row["block_in"], row["block_out"]) == (8, 3, 4, 2)
     assert set(row["times_us"]) == {"auto", "heads", "loop", "auto_c", "heads_c", "loop_c"}

@@ -4,29 +4,19 @@ A smoke test only: no timing is asserted (the figures are in docs/results/simd-o
 measured by the script itself).
 """
 
-import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _params import tiny_script_run
 
 from blockdiag.backends import get
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(get("simd").unavailable_reason() is not None, reason="simd unavailable here")
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None, reason="no C++ compiler: the ops cannot be built")
 def test_bench_simd_ops_tiny_run_writes_its_json(tmp_path):
-    out = tmp_path / "ops.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_simd_ops.py"), "--batch", "8", "--groups", "3",
-                        "--blocks", "4x2", "--rounds", "1", "--min-time", "0.001", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    d = json.loads(out.read_text())
+    d = tiny_script_run("bench_simd_ops.py", tmp_path)
     (row,) = d["rows"]
     assert (row["batch"], row["groups"], row["block_in"], row["block_out"]) == (8, 3, 4, 2)
     assert set(row["times_us"]) == {"forward_ops", "forward_ctypes", "train_ops", "train_ctypes"}
