@@ -85,25 +85,6 @@ def _build(cxx: str, source: Path, target: Path) -> Optional[str]:
         return why if why is not None else simd._install(tmp, target, cmd)
 
 
-def _load_or_build(cxx: str, source: Path, path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str], bool]:
-    """The library at ``path``, built there first if missing or damaged: ``(library, why not, final)``."""
-    from . import simd
-
-    stale = None
-    if os.path.lexists(path):
-        lib, stale = simd._load(path)
-        if lib is not None:
-            return lib, None, True
-    try:
-        why = _build(cxx, source, path)
-    except OSError as e:
-        return None, f"cannot write simd's C++ ops to {path.parent}: {e}", False
-    if why is not None:
-        return None, why if stale is None else f"{stale}; rebuilding it: {why}", True
-    lib, why = simd._load(path)
-    return lib, None if lib is not None else f"the library just built is unusable: {why}", True
-
-
 def _fake_forward(x, weight, bias):
     g, o, _ = weight.shape
     return x.new_empty(x.shape[0], g * o)
@@ -160,22 +141,8 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
         digest.update(part.encode() + b"\0")
     digest.update(source.read_bytes())
     name = f"{_PREFIX}{digest.hexdigest()[:20]}.so"
-    folder = simd.kernel_dir()
-    why = simd._cache_folder(folder)
-    if why is None:
-        lib, why, final = _load_or_build(cxx, source, folder / name)
-        if lib is not None:
-            return _register(lib, folder / name)
-        if final:
-            return None, why
-    try:
-        temp = simd._private_temp_folder()
-    except OSError as e:
-        return None, f"no usable folder for simd's C++ ops: {why}; no private temporary folder either: {e}"
-    lib, why2, _ = _load_or_build(cxx, source, temp / name)
-    if lib is None:
-        return None, f"{why2} (the cache could not be used: {why})"
-    return _register(lib, temp / name)
+    return simd._cached(name, lambda path: simd._fetch(path, lambda p: _build(cxx, source, p), _register,
+                                                      "simd's C++ ops"), "simd's C++ ops")
 
 
 # dtype -> NativeOps while armed with the current C library's kernels; dtype -> None once

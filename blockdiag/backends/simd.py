@@ -467,29 +467,54 @@ def _entry_points(lib: ctypes.CDLL, path: Path, cc: str,
     return found, None
 
 
-def _load_or_build(cc: str, source_dir: Path, path: Path,
-                   variant: str = "avx512") -> tuple[Optional[dict], Optional[str], bool]:
-    """The kernels from ``path``, built there first if missing or damaged: ``(kernels, why not, final)``.
+def _fetch(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
+    """The library at ``path``, built there first if missing or damaged: ``(found, why not, final)``.
 
-    ``final``: the failure is the compiler's or the library's, which another folder would not change.
+    ``build(path)`` compiles it (why it failed, or None; OSError when the folder cannot be
+    written); ``use(library, path)`` gives ``(found, why not)`` for a loaded library; ``what``
+    names it in messages. ``final``: the failure is the compiler's or the library's, which
+    another folder would not change.
     """
     stale = None
     if os.path.lexists(path):
         lib, stale = _load(path)
         if lib is not None:
-            found, why = _entry_points(lib, path, cc, variant)
-            return found, why, True
+            return (*use(lib, path), True)
     try:
-        why = _build(cc, source_dir, path, VARIANTS[variant])
+        why = build(path)
     except OSError as e:
-        return None, f"cannot write the compiled kernels to {path.parent}: {e}", False
+        return None, f"cannot write {what} to {path.parent}: {e}", False
     if why is not None:
         return None, why if stale is None else f"{stale}; rebuilding it: {why}", True
     lib, why = _load(path)
     if lib is None:
         return None, f"the library just built is unusable: {why}", True
-    found, why = _entry_points(lib, path, cc, variant)
-    return found, why, True
+    return (*use(lib, path), True)
+
+
+def _cached(name: str, fetch, what: str) -> tuple[Optional[object], Optional[str]]:
+    """``fetch(path)`` (see :func:`_fetch`) for library ``name`` in the private cache folder, or,
+    when that folder cannot be used, in a new private temporary folder for this process (never
+    a predictable name in a shared folder, where another user could plant a library first)."""
+    folder = kernel_dir()
+    why = _cache_folder(folder)
+    if why is None:
+        found, why, final = fetch(folder / name)
+        if found is not None or final:
+            return found, why
+    try:
+        temp = _private_temp_folder()
+    except OSError as e:
+        return None, f"no usable folder for {what}: {why}; no private temporary folder either: {e}"
+    found, why2, _ = fetch(temp / name)
+    return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
+
+
+def _load_or_build(cc: str, source_dir: Path, path: Path,
+                   variant: str = "avx512") -> tuple[Optional[dict], Optional[str], bool]:
+    """The kernels from ``path``, built there first if missing or damaged: ``(kernels, why not, final)``."""
+    return _fetch(path, lambda p: _build(cc, source_dir, p, VARIANTS[variant]),
+                  lambda lib, p: _entry_points(lib, p, cc, variant), "the compiled kernels")
 
 
 @functools.lru_cache(maxsize=None)
@@ -519,22 +544,7 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     for name in _SOURCES:
         digest.update((source_dir / name).read_bytes())
     name = f"simd-{chosen}-{digest.hexdigest()[:20]}.so"
-    # The cache folder, private to this user; failing that, a new private temporary folder for
-    # this process (never a predictable name in a shared folder, where another user could
-    # plant a library first).
-    folder = kernel_dir()
-    why = _cache_folder(folder)
-    if why is None:
-        found, why, final = _load_or_build(cc, source_dir, folder / name, chosen)
-        if found is not None or final:
-            return found, why
-    try:
-        temp = _private_temp_folder()
-    except OSError as e:
-        return None, (f"no usable folder for the compiled kernels: {why}; "
-                      f"no private temporary folder either: {e}")
-    found, why2, _ = _load_or_build(cc, source_dir, temp / name, chosen)
-    return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
+    return _cached(name, lambda path: _load_or_build(cc, source_dir, path, chosen), "the compiled kernels")
 
 
 def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
