@@ -267,3 +267,29 @@ def test_without_a_cpp_compiler_simd_runs_through_ctypes_and_says_why(tmp_path):
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess", env=env)
     assert rc == 0, err
     assert "called through ctypes: compiling simd's C++ ops with" in out and "failed (exit 1)" in out
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None, reason="no C++ compiler: nothing is built")
+def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
+    # The ops' library is fetched as simd's C library is (one _fetch): a truncated file in the
+    # cache is rebuilt, not mapped. Two fresh processes over one cache: the first builds, the
+    # file is cut in half, the second must rebuild it and arm the ops.
+    code = textwrap.dedent(
+        """
+        import torch
+        from blockdiag import grouped_linear
+        from blockdiag.backends import _simd_ops
+        grouped_linear(torch.randn(4, 6), torch.randn(2, 3, 3), None, backend="simd")
+        assert _simd_ops.ops(torch.float32) is not None, _simd_ops.note()
+        print("armed")
+        """
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the first process", env=env)
+    assert rc == 0 and "armed" in out, err
+    (built,) = (tmp_path / "cache" / "blockdiag" / "kernels").glob("torchops-simd-*.so")
+    whole = built.read_bytes()
+    built.write_bytes(whole[: len(whole) // 2])
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the second process", env=env)
+    assert rc == 0 and "armed" in out, err
+    assert simd._damage(built.read_bytes()) is None and len(built.read_bytes()) > len(whole) // 2
