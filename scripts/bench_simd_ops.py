@@ -35,17 +35,9 @@ BLOCKS = ((10, 10), (64, 64), (150, 10))
 ROUTES = ("ops", "ctypes")
 
 
-@contextlib.contextmanager
-def _route(name: str, dtype: torch.dtype):
+def _route(name: str):
     """Within it simd's kernels are called through ``name``: "ops" (as armed) or "ctypes"."""
-    saved = dict(_simd_ops._ARMED)
-    if name == "ctypes":
-        _simd_ops._ARMED[dtype] = None  # a dtype not armed: the ctypes wrappers run
-    try:
-        yield
-    finally:
-        _simd_ops._ARMED.clear()
-        _simd_ops._ARMED.update(saved)
+    return _simd_ops.through_ctypes() if name == "ctypes" else contextlib.nullcontext()
 
 
 def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds: int, min_time: float) -> dict:
@@ -67,7 +59,7 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
     steps = {(mode, route): fn for mode, fn in (("forward", forward), ("train", train)) for route in ROUTES}
     numbers = {}
     for (mode, route), fn in steps.items():  # warm up, and size each sample
-        with _route(route, dtype):
+        with _route(route):
             fn()
             once = min(timeit.repeat(fn, number=1, repeat=3))
         numbers[mode, route] = max(1, int(min_time / max(once, 1e-7)))
@@ -77,7 +69,7 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
         # Every other round in reverse: a step that runs after another's large allocations
         # (page faults, cache) should not always be the same one.
         for (mode, route), fn in order if r % 2 == 0 else order[::-1]:
-            with _route(route, dtype):
+            with _route(route):
                 n = numbers[mode, route]
                 times[mode, route].append(min(timeit.repeat(fn, number=n, repeat=2)) / n * 1e6)
     med = {f"{mode}_{route}": round(statistics.median(v), 2) for (mode, route), v in times.items()}

@@ -39,18 +39,18 @@ def _compare(x, w, b, gy, dtype):
 
 
 @pytest.fixture(params=["ops", "ctypes"])
-def route(request, monkeypatch):
+def route(request):
     """How simd's kernels are called: through the C++ ops (where they build here) or ctypes."""
     if request.param == "ctypes":
-        # A dtype mapped to None is one the ops are not armed for: the ctypes wrappers run.
-        monkeypatch.setattr(_simd_ops, "_ARMED", {torch.float32: None, torch.float64: None})
-    else:
-        grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")  # arms float32
-        grouped_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 2, 2, dtype=torch.float64), None,
-                       backend="simd")
-        if _simd_ops.ops(torch.float32) is None:
-            pytest.skip(f"simd's C++ ops are not built here: {_simd_ops.note()}")
-    return request.param
+        with _simd_ops.through_ctypes():
+            yield request.param
+        return
+    grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")  # arms float32
+    grouped_linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 2, 2, dtype=torch.float64), None,
+                   backend="simd")
+    if _simd_ops.ops(torch.float32) is None:
+        pytest.skip(f"simd's C++ ops are not built here: {_simd_ops.note()}")
+    yield request.param
 
 
 @pytest.fixture
@@ -118,7 +118,6 @@ def test_column_slices_are_read_and_written_in_place(dtype, monkeypatch):
     # x is columns 3.. of a [9, 40] tensor (row stride 40 > G*in = 24): the kernel must get
     # x's own pointer and the leading dimension 40, not a copy. The ctypes wrappers are spied
     # on here; tests/test_simd_ops.py checks the C++ ops make no copy either.
-    monkeypatch.setattr(_simd_ops, "_ARMED", {torch.float32: None, torch.float64: None})
     g, i, o = 3, 8, 5
     wide = torch.randn(9, 40, dtype=dtype)
     x = wide[:, 3 : 3 + g * i].detach().requires_grad_(True)
@@ -133,7 +132,8 @@ def test_column_slices_are_read_and_written_in_place(dtype, monkeypatch):
         return lambda *a: (seen.append(a), fn(*a))[1]
 
     monkeypatch.setattr(simd, "_library", lambda: ({dtype: tuple(spy(f) for f in fns[dtype])}, why))
-    got = _grads(lambda *t: grouped_linear(*t, backend="simd"), x, w, b, gy)
+    with _simd_ops.through_ctypes():
+        got = _grads(lambda *t: grouped_linear(*t, backend="simd"), x, w, b, gy)
     assert seen[0][0] == x.data_ptr() and seen[0][1] == 40  # forward: x in place
     assert seen[2][2] == x.data_ptr() and seen[2][3] == 40  # weight gradient: x in place
     want = _grads(reference_loop, x, w, b, gy)

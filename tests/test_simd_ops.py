@@ -47,18 +47,10 @@ def native():
     return found
 
 
-def _wrappers_forward(x, w, b):
-    return simd._forward(x, w, b)
-
-
-def _wrappers_backward(gy, x, w, has_bias, need_x, need_w):
-    gx = simd._grad_input(simd._cols(gy), w.contiguous()) if need_x else None
-    gw = gb = None
-    if need_w:
-        gw, gb = simd._grad_weight(simd._cols(gy), simd._cols(x), w.shape, has_bias)
-    elif has_bias:
-        gb = gy.sum(0)
-    return gx, gw, gb
+def _through_ctypes(fn, *args):
+    """simd's kernel function ``fn`` (forward or backward) run through the ctypes wrappers."""
+    with _simd_ops.through_ctypes():
+        return fn(*args)
 
 
 @st.composite
@@ -97,10 +89,10 @@ def _operands(draw):
 def test_the_ops_equal_the_ctypes_wrappers_on_drawn_shapes_and_strides(native, ops, need):
     # The same kernels on the same operands: bitwise equal, outputs and every gradient.
     x, w, b, gy = ops
-    assert torch.equal(native.forward(x, w, b), _wrappers_forward(x, w, b))
+    assert torch.equal(native.forward(x, w, b), _through_ctypes(simd._kernel_forward, x, w, b))
     need_x, need_w = need
     got = native.backward(gy, x, w, b is not None, need_x, need_w)
-    want = _wrappers_backward(gy, x, w, b is not None, need_x, need_w)
+    want = _through_ctypes(simd._kernel_backward, gy, x, w, b is not None, need_x, need_w)
     for name, a, c in zip(("input", "weight", "bias"), got, want):
         if c is None:
             assert a.numel() == 0, name  # not asked for: 0 elements
@@ -293,3 +285,13 @@ def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the second process", env=env)
     assert rc == 0 and "armed" in out, err
     assert simd._damage(built.read_bytes()) is None and len(built.read_bytes()) > len(whole) // 2
+
+
+def test_through_ctypes_runs_the_wrappers_and_keeps_the_ops_armed(native):
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    with _simd_ops.through_ctypes():
+        assert _simd_ops.ops(torch.float32) is None
+        with torch.profiler.profile() as prof:
+            grouped_linear(x, w, None, backend="simd")
+        assert "blockdiag::simd_native" not in [e.name for e in prof.events()]
+    assert _simd_ops.ops(torch.float32) is native

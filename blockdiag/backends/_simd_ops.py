@@ -33,6 +33,7 @@ the ctypes wrapper for that call.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -45,7 +46,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["NativeOps", "arm", "disarm", "note", "ops"]
+__all__ = ["NativeOps", "arm", "disarm", "note", "ops", "through_ctypes"]
 
 _SOURCE = "_simd_ops.cpp"
 _ABI = 1
@@ -181,6 +182,20 @@ def arm(dtype: torch.dtype, kernels: tuple, agree) -> None:
             return
         _ARMED[dtype] = found
         _WHY.pop(dtype, None)
+
+
+@contextlib.contextmanager
+def through_ctypes():
+    """Within it simd calls its kernels through ctypes, as without a C++ compiler; the ops stay
+    armed and come back at exit. For comparing the two routes (tests, ``scripts/bench_simd_ops.py``).
+    """
+    global _ARMED
+    saved = _ARMED
+    _ARMED = dict.fromkeys(_DTYPES)  # every dtype present and not armed: nothing arms it meanwhile
+    try:
+        yield
+    finally:
+        _ARMED = saved
 
 
 def disarm() -> None:
