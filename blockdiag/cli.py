@@ -694,10 +694,11 @@ def cmd_bench(args) -> int:
     units = {n: fmt.unit(r["times_us"].get(n) for r in timed) for n in names_}
     units["auto"] = fmt.unit(r["auto_us"] for r in timed)
     print(f"times in the unit of their column (us or ms), {args.stat} of {args.repeat} interleaved rounds; "
-          "a/best: auto over the fastest backend; a/kern: auto over its choice forced; %ideal: the ideal "
+          "a/best: auto over the fastest backend; a/forc: auto over its choice forced by name; a/kern: auto "
+          "over its choice's bare kernel (no dispatch); %ideal: the ideal "
           "GEMM's time over auto's; xloop, xvmap: auto's speed-up over the nn.Linear loop and vmap")
     head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n + ' ' + units[n]:>11s}" for n in names_)
-    head += (f" {'auto ' + units['auto']:>11s} {'choice':>11s} {'a/best':>6s} {'a/kern':>6s} {'%ideal':>6s} "
+    head += (f" {'auto ' + units['auto']:>11s} {'choice':>11s} {'a/best':>6s} {'a/forc':>6s} {'a/kern':>6s} {'%ideal':>6s} "
              f"{'xloop':>6s} {'xvmap':>6s}")
     # Under a tuning profile: the built-in table's choice and its forced time over the fastest.
     builtin = any("builtin_choice" in r for r in rows)
@@ -715,6 +716,7 @@ def cmd_bench(args) -> int:
         xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
         print(lead + " ".join(f"{fmt.in_unit(t.get(n), units[n]):>11s}" for n in names_)
               + f" {fmt.in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {fmt.ratio(r['auto_over_fastest'], 6)}"
+              + (f" {r['auto_over_choice']:6.2f}" if "auto_over_choice" in r else f" {'-':>6s}")
               + f" {r['auto_over_kernel']:6.2f}"
               + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
               + (_builtin_columns(r) if builtin else ""))

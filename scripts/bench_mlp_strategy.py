@@ -32,7 +32,8 @@ from blockdiag.profile import device_name
 
 # (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks, then
 # models with one hidden layer (one grouped layer after the shared one: no layout change
-# between grouped layers for the chain to save).
+# between grouped layers for the chain to save), the last ones with 256x256 blocks, where the
+# grouped layer's own backend is a bmm_fm variant at small batches.
 MODELS = [
     (50, [150, 10, 10, 1], [64, 256, 1024]),
     (16, [64, 64, 64, 8], [256, 2048]),
@@ -42,6 +43,8 @@ MODELS = [
     (50, [150, 10, 10], [2048]),
     (16, [64, 64, 64], [256, 2048]),
     (4, [64, 64, 64], [2048]),
+    (4, [256, 256, 256], [32, 256]),
+    (16, [256, 256, 256], [32, 256]),
 ]
 
 

@@ -285,8 +285,12 @@ def test_bench_api_and_summary():
         chosen = r["times_us"][r["auto"]] / r["times_us"][r["fastest"]]
         assert s["geomean_choice_over_fastest"] == pytest.approx(chosen, abs=1e-4)
         assert s["choice_within_1.10"] == int(chosen <= 1.10)
+        # What choosing costs: auto over the same backend forced by name.
+        assert r["auto_over_choice"] == pytest.approx(r["auto_us"] / r["times_us"][r["auto"]], rel=2e-3, abs=1e-4)
+        assert s["geomean_auto_over_choice"] == r["auto_over_choice"]
     else:
         assert "geomean_choice_over_fastest" not in s and "choice_within_1.10" not in s
+        assert "auto_over_choice" not in r and "geomean_auto_over_choice" not in s
 
 
 def test_bench_refines_auto_and_what_it_is_compared_with(monkeypatch, tmp_path):

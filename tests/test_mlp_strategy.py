@@ -599,40 +599,38 @@ def _one_grouped_layer(heads=50, block=10):
     return GroupedMLP(block, [block], block, heads=heads)  # shared input: dense, then one grouped layer
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
-def test_on_cpu_one_grouped_simd_layer_in_training_runs_the_layers(train, chain_spy):
-    # The whole-model timings (docs/results/mlp-strategy-cpu.json): with one grouped layer the
-    # chain only swaps that layer's simd for bmm_fm, which was slower in training; in the
-    # forward it was faster or level.
+@pytest.mark.parametrize("own, train", [
+    pytest.param("table", False, id="forward"),
+    pytest.param("table", True, id="train"),
+    # The grouped layer's backend as the table picks it at other shapes, in training (bmm_fm_bmm
+    # does not run without autograd: it is ranked as bmm_fm there).
+    pytest.param("bmm_fm_bmm", True, id="train-bmm_fm_bmm"),
+    pytest.param("simd", True, id="train-simd"),
+])
+def test_on_cpu_one_grouped_layer_in_training_runs_the_layers(own, train, monkeypatch, chain_spy):
+    # The whole-model timings (docs/results/mlp-strategy-cpu*.json): with one grouped layer
+    # the chain only swaps that layer's backend for bmm_fm, which was slower in training
+    # whatever the backend (a bmm_fm variant too: 256x256 blocks); in the forward it was
+    # faster or level.
     model = _one_grouped_layer()
+    if own != "table":
+        inner = GroupedLinear.plan
+
+        def plan(self, x):
+            p = inner(self, x)
+            return p if self.groups == 1 else Plan(own, p.problem, "test", "test table", p.candidates)
+
+        monkeypatch.setattr(GroupedLinear, "plan", plan)
     x = torch.randn(256, 10, requires_grad=train)
-    own = model.layers[1].plan(torch.empty(256, 500, requires_grad=train)).backend
-    if own in mlp_mod.CHAIN_KERNELS:
-        pytest.skip(f"the table picks {own} for the grouped layer here, not simd")
+    layer_backend = model.layers[1].plan(torch.empty(256, 500, requires_grad=train)).backend
     with torch.set_grad_enabled(train):
         plan = model.plan(x)
         model(x)
     assert plan.strategy == ("layers" if train else "fm_chain"), str(plan)
     assert bool(chain_spy) == (not train)
     if train:
-        assert f"one grouped layer, in training, whose own backend ({own})" in plan.reason
-
-
-def test_on_cpu_one_grouped_bmm_fm_layer_in_training_runs_the_chain(monkeypatch, chain_spy):
-    # The layer's own backend is a bmm_fm variant: the chain runs the same kernel, without
-    # the layer's transposes.
-    model = _one_grouped_layer()
-    inner = GroupedLinear.plan
-
-    def plan(self, x):
-        p = inner(self, x)
-        return p if self.groups == 1 else Plan("bmm_fm_bmm", p.problem, "test", "test table", p.candidates)
-
-    monkeypatch.setattr(GroupedLinear, "plan", plan)
-    x = torch.randn(256, 10, requires_grad=True)
-    assert model.plan(x).strategy == "fm_chain"
-    model(x)
-    assert chain_spy
+        assert f"one grouped layer, in training: with no layout change between grouped layers to save, " \
+               f"the chain would only replace its backend ({layer_backend})" in plan.reason
 
 
 def test_a_one_group_layer_is_left_out_of_both_sums(monkeypatch):

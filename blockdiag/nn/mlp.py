@@ -183,15 +183,13 @@ CHAIN_ADVANTAGE = 1.1
 # Device types where the two strategies were timed against each other, whole models
 # (scripts/bench_mlp_strategy.py; the figures are in docs/results/mlp-strategy-cpu.json and
 # on the docs' Performance page): there ``auto`` runs the chain wherever it is allowed,
-# except in the case CHAIN_KERNELS names, and the table's per-layer sums are only reported.
+# except in training a model with one grouped layer (a shared input and one hidden layer),
+# and the table's per-layer sums are only reported. Such a model has no layout change
+# between grouped layers for the chain to save; in training the chain then only replaces
+# that layer's backend by ``bmm_fm`` with torch's autograd, and the layers were faster at
+# every such point timed, whatever their backend (``simd`` on the small blocks, a ``bmm_fm``
+# variant on the 256x256 ones, where the chain's own kernel is the same product).
 CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
-
-# The backends whose product the chain's ``bmm_fm`` is (same kernel, feature-major). A model
-# with one grouped layer (a shared input and one hidden layer) has no layout change between
-# grouped layers for the chain to save; in training the chain then only replaces that
-# layer's backend by ``bmm_fm`` with torch's autograd, which the whole-model timings found
-# slower where the layer's own backend is not one of these (``simd``): there the layers run.
-CHAIN_KERNELS = frozenset({"bmm_fm", "bmm_fm_bmm", "bmm_fm_loop"})
 
 # A graph traced at a concrete batch decides as eager ``auto`` does only where its grouped
 # layers' forward products come to at least this many FLOPs; below, it keeps the device rule
@@ -283,8 +281,8 @@ class GroupedMLP(nn.Module):
       ``bmm_fm``'s time at each layer's problem, and the layers as the sum of each layer's
       chosen backend's time. On a device type in ``CHAIN_WHEREVER_ALLOWED`` (the CPU), where
       the whole models were timed (``scripts/bench_mlp_strategy.py``), the chain runs
-      wherever the table has both sums, except in training with one grouped layer whose own
-      backend is not in ``CHAIN_KERNELS`` (see there);
+      wherever the table has both sums, except in training a model with one grouped layer
+      (see ``CHAIN_WHEREVER_ALLOWED``);
       elsewhere it runs when its estimate is at most ``CHAIN_ADVANTAGE`` times the layers':
       what the chain saves (a transposing copy and a layer call per layer, and the layout
       changes between layers) is in no table, and that factor credits it. Without a table
@@ -677,10 +675,10 @@ class GroupedMLP(nn.Module):
             return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
         if x.device.type in CHAIN_WHEREVER_ALLOWED:
             grouped = [plan for plan in plans if plan.problem.groups > 1]
-            if len(grouped) == 1 and grouped[0].problem.requires_grad and grouped[0].backend not in CHAIN_KERNELS:
-                return False, (f"one grouped layer, in training, whose own backend ({grouped[0].backend}) the chain "
-                               "would replace by bmm_fm: with no layout change between grouped layers to save, "
-                               "the layers were faster in scripts/bench_mlp_strategy.py's whole-model timings"), \
+            if len(grouped) == 1 and grouped[0].problem.requires_grad:
+                return False, ("one grouped layer, in training: with no layout change between grouped layers to "
+                               f"save, the chain would only replace its backend ({grouped[0].backend}) by bmm_fm, "
+                               "and the layers were faster in scripts/bench_mlp_strategy.py's whole-model timings"), \
                     chain_us, layers_us, plans
             return True, (f"allowed, and on {x.device.type} the chain was faster than the layers, or level, in "
                           "scripts/bench_mlp_strategy.py's whole-model timings (the table's per-layer sums "

@@ -78,8 +78,10 @@ def bench(
     Returns:
         one dict per point and mode: ``times_us`` (each backend through
             ``grouped_linear(..., backend=name)``), ``auto`` (its choice), ``auto_us``,
-            ``fastest``, ``auto_over_fastest``, ``auto_kernel_us`` (the chosen backend's bare
-            kernel, no dispatch) and ``auto_over_kernel``, ``ideal_us``,
+            ``fastest``, ``auto_over_fastest``, ``auto_over_choice`` (auto over its choice
+            forced by name through the same entry point: what choosing costs, where that
+            backend was timed), ``auto_kernel_us`` (the chosen backend's bare kernel, no
+            dispatch) and ``auto_over_kernel``, ``ideal_us``,
             ``fraction_of_ideal`` (ideal time over auto's), ``baselines_us``,
             ``peak_bytes``, ``skipped`` (name -> reason), ``table`` (the source of auto's plan)
             and, where that is a tuning profile, ``builtin_choice`` (what the built-in table
@@ -141,6 +143,8 @@ def bench(
             skipped={**skipped, **failed},
             table=plan.source,
         )
+        if choice in bt:
+            row["auto_over_choice"] = round(times["auto"] / bt[choice], 4)
         if builtin:
             row["builtin_choice"] = builtin
         if memory:
@@ -192,6 +196,11 @@ def summarize(rows: Sequence[dict]) -> dict:
             s["builtin_choice_within_1.10"] = sum(b / f <= 1.10 for b, _, f in vs)
             s["geomean_choice_over_builtin_choice"] = round(_geomean([c / b for b, c, _ in vs]), 4)
             s["choices_differing_from_builtin"] = sum(r["builtin_choice"] != r["auto"] for r in rs if "builtin_choice" in r)
+        # What choosing costs: auto over the same backend forced by name, both through the
+        # public entry point (the dispatch both pay is in neither ratio's difference).
+        forced = [r["auto_over_choice"] for r in rs if "auto_over_choice" in r]
+        if forced:
+            s["geomean_auto_over_choice"] = round(_geomean(forced), 4)
         kernel = [r["auto_over_kernel"] for r in rs if "auto_over_kernel" in r]
         if kernel:
             s["geomean_auto_over_kernel"] = round(_geomean(kernel), 4)
