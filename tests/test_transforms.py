@@ -31,6 +31,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -356,6 +357,109 @@ def test_compiled_auto_inlines_a_torch_ops_choice_at_a_static_batch(batch_varyin
             assert not opaque and "aten.convolution.default" in ops, sorted(ops)
 
 
+def _fw_bw_ops():
+    """A torch.compile backend (AOTAutograd, no codegen) and the ops of each forward and backward graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    fw: list[set[str]] = []
+    bw: list[set[str]] = []
+
+    def recorder(seen):
+        def compiler(gm, _inputs):
+            seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=recorder(fw), bw_compiler=recorder(bw)), fw, bw
+
+
+def _simd_ops_ready(dtype=torch.float32):
+    """Skip unless simd's C++ ops are armed for ``dtype`` (after an eager simd call)."""
+    from blockdiag.backends import _simd_ops
+
+    require_backend("simd")
+    if dtype not in _simd_ops.armed():
+        pytest.skip(f"simd's C++ ops are not ready here: {_simd_ops.note()}")
+
+
+@pytest.mark.parametrize("dynamic", [pytest.param(False, id="static"), pytest.param(True, id="dynamic")])
+def test_compiled_auto_records_simds_cpp_ops_at_a_static_batch(dynamic):
+    # Where auto chooses simd and its C++ ops are ready, a graph traced at a static batch calls
+    # them, forward and backward, and no blockdiag Python runs per call; the results are
+    # simd's, bit for bit. A graph serving every batch size keeps blockdiag::auto.
+    _write_winner("simd", N)
+    w, b = _params(torch.float32)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    forced = _layer("simd", w, b)
+    want = _run_module(forced, (forced.weight, forced.bias), x, gy)  # the eager call arms the ops
+    _simd_ops_ready()
+    layer = _layer("auto", w, b)
+    assert layer.plan(x.requires_grad_()).backend == "simd"
+    backend, fw, bw = _fw_bw_ops()
+    compiled = torch.compile(layer, backend=backend, dynamic=dynamic)
+    got = _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from eager simd's"
+    (f,), (g,) = fw, bw
+    if dynamic:
+        assert "blockdiag.auto.default" in f and "blockdiag.simd_native.default" not in f, sorted(f)
+    else:
+        assert "blockdiag.simd_native.default" in f and "blockdiag.auto.default" not in f, sorted(f)
+        assert "blockdiag.simd_native_backward.default" in g and "blockdiag.auto_backward.default" not in g, sorted(g)
+    # FlopCounterMode counts the C++ ops as it counts the op: the forward and both gradients.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xg = x.detach().requires_grad_()
+    with FlopCounterMode(display=False) as counter:  # backward(), not autograd.grad: its module tracker's hooks
+        (compiled(xg) * gy).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * N * G * I * O
+
+
+def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkeypatch):
+    # The route is taken only where the graph's plan state names it (what a graph traced
+    # before the ops were ready carries): graphs with and without it differ, so torch's
+    # compile caches never hand one to a process whose state is the other's.
+    from blockdiag.nn import linear
+
+    _write_winner("simd", N)
+    w, b = _params(torch.float32)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    forced = _layer("simd", w, b)
+    want = _run_module(forced, (forced.weight, forced.bias), x, gy)
+    _simd_ops_ready()
+    assert "native:simd:float32" in linear._traced_plan_state().split()
+    monkeypatch.setattr(linear, "native_routes", lambda: "")
+    layer = _layer("auto", w, b)
+    backend, fw, bw = _fw_bw_ops()
+    got = _run_module(torch.compile(layer, backend=backend, dynamic=False), (layer.weight, layer.bias), x, gy)
+    _check(got, want, torch.float32, "compiled without a native route")
+    (f,), (g,) = fw, bw
+    assert "blockdiag.auto.default" in f and "blockdiag.simd_native.default" not in f, sorted(f)
+    assert "blockdiag.auto_backward.default" in g, sorted(g)
+
+
+def test_exported_programs_never_record_simds_cpp_ops():
+    # torch.export keeps the op (its decompositions need the op's autograd), even where
+    # torch.compile would take the native route; the decomposed program trains.
+    from blockdiag.nn import linear
+
+    _write_winner("simd", N)
+    w, b = _params(torch.float32)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    forced = _layer("simd", w, b)
+    want = _run_module(forced, (forced.weight, forced.bias), x, gy)
+    _simd_ops_ready()
+    assert "native:simd:float32" in linear._traced_plan_state().split()  # what torch.compile would see
+    layer = _layer("auto", w, b)
+    decomposed = torch.export.export(layer, (x,)).run_decompositions()
+    ops = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert "blockdiag.auto.default" in ops and "blockdiag.simd_native.default" not in ops, sorted(ops)
+    module = decomposed.module()
+    p = dict(module.named_parameters())
+    _check(_run_module(module, (p["weight"], p["bias"]), x, gy), want, torch.float32, "exported, decomposed")
+
+
 def test_exported_auto_decomposes_by_batch_and_round_trips(tmp_path):
     # An exported program keeps auto_inline (a composite custom op) until its decompositions
     # run: then a static batch plans (the chosen backend's ops, or blockdiag::auto for a C or
@@ -512,6 +616,65 @@ def test_another_process_with_another_profile_is_not_served_the_old_plan(tmp_pat
     assert "aten::convolution" in seen["conv"]["ops"], seen["conv"]
     assert "aten::convolution" not in seen["bmm"]["ops"], seen["bmm"]
     assert {"aten::bmm", "aten::baddbmm"} & set(seen["bmm"]["ops"]), seen["bmm"]
+
+
+_NATIVE_PROCESS = """
+import json, sys
+import torch
+import blockdiag
+from blockdiag import profile
+from blockdiag.backends import get
+from blockdiag.ops.auto import native_routes
+from torch.profiler import profile as torch_profile
+sys.path.insert(0, TESTS)
+from _profiles import entry, point, write
+
+G, I, O, N = 3, 4, 2, 6
+times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+times["simd"] = 1.0
+write(profile.default_profile_path(), entry([point(mode="train", batch=N, groups=G, block_in=I, block_out=O, **times)]))
+torch.manual_seed(0)
+layer = blockdiag.GroupedLinear(G * I, G * O, G)
+x = torch.randn(N, G * I, requires_grad=True)
+layer(x).sum().backward()  # eager first: simd's self-check arms its C++ ops where they built
+compiled = torch.compile(layer, dynamic=False)
+compiled(x).sum().backward()
+with torch_profile() as prof:
+    y = compiled(x)
+    y.sum().backward()
+ops = sorted({e.key for e in prof.key_averages() if e.key.startswith("blockdiag::")})
+print("RESULT " + json.dumps({"plan": layer.plan(x).backend, "routes": native_routes(), "ops": ops,
+                              "y": y.tolist(), "gx": x.grad.tolist()}), flush=True)
+"""
+
+
+def test_a_process_without_simds_cpp_ops_is_not_served_a_graph_calling_them(tmp_path):
+    # One on-disk compile cache, two processes at the same shape, both choosing simd: the first
+    # has its C++ ops and its graph calls them; the second cannot build them ($CXX fails, a fresh
+    # kernel cache) and must not be handed that graph, whose ops it never registered.
+    require_backend("simd")
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        pytest.skip("no C++ compiler: simd's C++ ops are never built here")
+    cache = tmp_path / "inductor-cache"
+    seen = {}
+    for name, extra in (("with", {}), ("without", {"XDG_CACHE_HOME": str(tmp_path / "fresh"),
+                                                    "CXX": shutil.which("false") or "/nonexistent"})):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+               "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "BLOCKDIAG_PROFILE": str(tmp_path / "simd.json"), **extra}
+        code = _NATIVE_PROCESS.replace("TESTS", repr(os.path.dirname(__file__))).replace("CANDIDATES", repr(CANDIDATES))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, f"{name}: stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+        seen[name] = json.loads(line[len("RESULT "):])
+        assert seen[name]["plan"] == "simd", seen[name]
+    if "native:simd:float32" not in seen["with"]["routes"].split():
+        pytest.skip(f"simd's C++ ops did not arm in the first process: {seen['with']}")
+    assert "blockdiag::simd_native" in seen["with"]["ops"], seen["with"]["ops"]
+    assert seen["without"]["routes"] == "", seen["without"]
+    assert "blockdiag::simd_native" not in seen["without"]["ops"], seen["without"]["ops"]
+    assert "blockdiag::auto" in seen["without"]["ops"], seen["without"]["ops"]
+    for key in ("y", "gx"):
+        assert seen["with"][key] == seen["without"][key], key  # the same kernels, bit for bit
 
 
 def test_plan_state_is_marked_as_assume_constant_result_marks():

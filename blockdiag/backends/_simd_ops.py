@@ -108,10 +108,16 @@ def _register(lib: ctypes.CDLL, path: Path) -> tuple[Optional[NativeOps], Option
         backward = torch.ops.blockdiag.simd_native_backward.default
     except (AttributeError, RuntimeError) as e:
         return None, f"{path} loaded but registered no ops: {e}"
-    from ..ops._define import fake_backward
+    from ..ops._define import _register_flops, fake_backward
 
     torch.library.register_fake("blockdiag::simd_native", _fake_forward)
     torch.library.register_fake("blockdiag::simd_native_backward", fake_backward)
+    # Compiled graphs call these ops directly (blockdiag.ops.auto's native route): counted
+    # there as simd's own ops are. (Once per process: a second library registers the same ops.)
+    from torch.utils.flop_counter import flop_registry
+
+    if forward.overloadpacket not in flop_registry:
+        _register_flops(forward, backward)
     return NativeOps(forward, backward, lib), None
 
 
@@ -155,6 +161,11 @@ _WHY: dict = {}
 def ops(dtype: torch.dtype) -> Optional[NativeOps]:
     """The ops armed for ``dtype``, or None (not armed: the ctypes wrapper runs)."""
     return _ARMED.get(dtype)
+
+
+def armed() -> dict:
+    """``{dtype: NativeOps}`` for every dtype the ops are armed for now."""
+    return {dt: o for dt, o in _ARMED.items() if o is not None}
 
 
 def arm(dtype: torch.dtype, kernels: tuple, agree) -> None:

@@ -803,7 +803,8 @@ def _ops_agree(dtype: torch.dtype, native) -> Optional[str]:
     return None
 
 
-simd = define(OpEntry("simd", _kernel_forward, _kernel_backward, native=True, check=_operands_check))
+simd = define(OpEntry("simd", _kernel_forward, _kernel_backward, native=True, check=_operands_check,
+                      compiled_ops=_simd_ops.armed))
 
 
 def _probe() -> Optional[str]:

@@ -166,6 +166,11 @@ class OpEntry:
         rows_input_grad: ``rows_input_grad(gy, weight)``, the input gradient written straight
             into a new row-major ``[N, G*in]``, where the backward forms it in another order
             and copies it; used with ``rows``.
+        compiled_ops: ``compiled_ops()`` gives ``{dtype: ops}``, the C++ torch ops
+            (``ops.forward(x, weight, bias)``, ``ops.backward(gy, x, weight, has_bias,
+            need_x, need_w)``) that run the kernels with no Python per call, for each dtype
+            they are ready for now; a graph ``torch.compile`` traces at a static batch
+            records them where ``auto`` chooses this backend (see ``blockdiag.ops.auto``).
     """
 
     name: str
@@ -179,6 +184,7 @@ class OpEntry:
     traceable_backward: bool = False
     rows: Optional[Forward] = None
     rows_input_grad: Optional[Callable] = None
+    compiled_ops: Optional[Callable[[], dict]] = None
 
     @property
     def inlinable(self) -> bool:

@@ -21,7 +21,10 @@ backend is written in them, backward included (``OpEntry.inlinable``: ``bmm_fm``
 ``nn.Linear``; a backend that is C, or whose backward writes into slices (``loop``,
 ``bmm_fm_loop``), or whose operands are a tensor subclass (DTensor, which the op's sharding
 rules handle), is recorded as ``blockdiag::auto``. Either way the graph runs eager
-``auto``'s choice. Dynamo guards the graph on :data:`blockdiag.settings.generation` (see
+``auto``'s choice. Where that choice's kernels are C++ torch ops (``simd``'s, once built and
+checked), a graph ``torch.compile`` traces at a concrete batch records those ops, forward and
+backward, instead of ``blockdiag::auto``: no blockdiag Python runs per call (``_NativeRoute``).
+Dynamo guards the graph on :data:`blockdiag.settings.generation` (see
 ``nn/linear.py``), so a settings, profile or registry change recompiles it and the choice
 follows. The recompiled graph must also differ from the old one: torch keeps compiled graphs
 in caches keyed by the graph (AOTAutograd's and inductor's, on disk across processes), which
@@ -54,7 +57,7 @@ from ._define import (
     rows_pay,
 )
 
-__all__ = ["auto", "auto_inline", "choice"]
+__all__ = ["auto", "auto_inline", "choice", "native_routes"]
 
 LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 LIB.define("auto_backward" + BACKWARD_SCHEMA)
@@ -212,8 +215,9 @@ def _vmap(info, in_dims, x, weight, bias, train):
 
 
 def _inline(x, weight, bias, train, state=""):
-    # ``state`` (blockdiag.dispatch.plan_state) is not read: it is in the graph so that torch's
-    # compile caches, keyed by the graph, tell graphs planned under other settings apart.
+    # ``state`` (blockdiag.dispatch.plan_state, and the native routes torch.compile may take:
+    # see _NativeRoute) is in the graph so that torch's compile caches, keyed by the graph,
+    # tell graphs planned under other settings, or with other routes, apart.
     # Python ints are concrete batches; torch.SymInt is a graph serving every batch size
     # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int). A tensor
     # subclass (DTensor) keeps the op, whose sharding rules run the local kernels without
@@ -221,6 +225,11 @@ def _inline(x, weight, bias, train, state=""):
     if isinstance(x.shape[0], torch.SymInt) or any(map(_is_subclass, (x, weight, bias))):
         return FORWARD(x, weight, bias, train)
     entry = _ENTRIES.get(choice(x, weight, train))
+    if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
+            and _route_token(entry.name, x.dtype) in state.split() and _fwad._current_level < 0:
+        ops = entry.compiled_ops().get(x.dtype)
+        if ops is not None and x.device.type == "cpu":
+            return _NativeRoute.apply(x, weight, bias, ops)
     if entry is None or not entry.inlinable:
         return FORWARD(x, weight, bias, train)
     if train and entry.rows is not None and _rows_op_pays(x, weight):
@@ -232,6 +241,47 @@ def _inline(x, weight, bias, train, state=""):
     # The eager route: the forward's torch ops, inside the backend's autograd Function where
     # its backward is its own kernels, so the traced backward is the one eager runs.
     return entry.eager(x, weight, bias)
+
+
+def _route_token(name: str, dtype: torch.dtype) -> str:
+    return f"native:{name}:{str(dtype).removeprefix('torch.')}"
+
+
+def native_routes() -> str:
+    """The native routes ready now, as ``auto_inline``'s ``state`` carries them (see ``_inline``).
+
+    One token per backend and dtype whose C++ ops (``OpEntry.compiled_ops``) are ready, e.g.
+    ``"native:simd:float32 native:simd:float64"``; empty where there are none.
+    """
+    return " ".join(sorted(_route_token(e.name, dt) for e in _ENTRIES.values() if e.compiled_ops is not None
+                           for dt in e.compiled_ops()))
+
+
+class _NativeRoute(torch.autograd.Function):
+    """A backend's C++ ops, forward and backward, as ``torch.compile`` records them.
+
+    The op route runs Python per call in a compiled graph: ``blockdiag::auto``'s autograd and
+    CPU kernels, the choice's lookup and the backend's checks, forward and backward. Where
+    ``auto`` chose a backend whose kernels are C++ torch ops, the graph records those ops
+    instead, and a compiled step runs no blockdiag Python. Only where ``state`` names the
+    route (``native_routes``): the graph then differs from one recorded without it, so
+    torch's compile caches, keyed by the graph, never hand a graph calling the ops to a
+    process that has not loaded and checked them. ``torch.export`` never names it: an
+    exported program keeps the op, whose autograd its decompositions need.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ops):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.ops = bias is not None, ops
+        return ops.forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx, gw, gb = ctx.ops.backward(gy, x, weight, ctx.has_bias, need_x, need_w)
+        return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None), None
 
 
 # The op costs a compiled training step more than inlined torch ops at small batches (its
