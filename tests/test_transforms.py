@@ -374,13 +374,23 @@ def _fw_bw_ops():
     return aot_autograd(fw_compiler=recorder(fw), bw_compiler=recorder(bw)), fw, bw
 
 
-def _simd_ops_ready(dtype=torch.float32):
-    """Skip unless simd's C++ ops are armed for ``dtype`` (after an eager simd call)."""
+def _simd_chosen():
+    """A profile where auto picks simd at batch N, and eager simd's results, float32.
+
+    Returns ``(w, b, x, gy, want)``; skips unless simd's C++ ops are armed after that eager
+    call (its self-check arms them).
+    """
     from blockdiag.backends import _simd_ops
 
     require_backend("simd")
-    if dtype not in _simd_ops.armed():
+    _write_winner("simd", N)
+    w, b = _params(torch.float32)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    forced = _layer("simd", w, b)
+    want = _run_module(forced, (forced.weight, forced.bias), x, gy)
+    if torch.float32 not in _simd_ops.armed():
         pytest.skip(f"simd's C++ ops are not ready here: {_simd_ops.note()}")
+    return w, b, x, gy, want
 
 
 @pytest.mark.parametrize("dynamic", [pytest.param(False, id="static"), pytest.param(True, id="dynamic")])
@@ -388,12 +398,7 @@ def test_compiled_auto_records_simds_cpp_ops_at_a_static_batch(dynamic):
     # Where auto chooses simd and its C++ ops are ready, a graph traced at a static batch calls
     # them, forward and backward, and no blockdiag Python runs per call; the results are
     # simd's, bit for bit. A graph serving every batch size keeps blockdiag::auto.
-    _write_winner("simd", N)
-    w, b = _params(torch.float32)
-    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
-    forced = _layer("simd", w, b)
-    want = _run_module(forced, (forced.weight, forced.bias), x, gy)  # the eager call arms the ops
-    _simd_ops_ready()
+    w, b, x, gy, want = _simd_chosen()
     layer = _layer("auto", w, b)
     assert layer.plan(x.requires_grad_()).backend == "simd"
     backend, fw, bw = _fw_bw_ops()
@@ -422,12 +427,7 @@ def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkey
     # compile caches never hand one to a process whose state is the other's.
     from blockdiag.nn import linear
 
-    _write_winner("simd", N)
-    w, b = _params(torch.float32)
-    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
-    forced = _layer("simd", w, b)
-    want = _run_module(forced, (forced.weight, forced.bias), x, gy)
-    _simd_ops_ready()
+    w, b, x, gy, want = _simd_chosen()
     assert "native:simd:float32" in linear._traced_plan_state().split()
     monkeypatch.setattr(linear, "native_routes", lambda: "")
     layer = _layer("auto", w, b)
@@ -444,12 +444,7 @@ def test_exported_programs_never_record_simds_cpp_ops():
     # torch.compile would take the native route; the decomposed program trains.
     from blockdiag.nn import linear
 
-    _write_winner("simd", N)
-    w, b = _params(torch.float32)
-    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
-    forced = _layer("simd", w, b)
-    want = _run_module(forced, (forced.weight, forced.bias), x, gy)
-    _simd_ops_ready()
+    w, b, x, gy, want = _simd_chosen()
     assert "native:simd:float32" in linear._traced_plan_state().split()  # what torch.compile would see
     layer = _layer("auto", w, b)
     decomposed = torch.export.export(layer, (x,)).run_decompositions()
