@@ -429,7 +429,7 @@ def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkey
 
     w, b, x, gy, want = _simd_chosen()
     assert "native:simd:float32" in linear._traced_plan_state().split()
-    monkeypatch.setattr(linear, "native_routes", lambda: "")
+    monkeypatch.setattr(linear, "traced_routes", lambda: "")
     layer = _layer("auto", w, b)
     backend, fw, bw = _fw_bw_ops()
     got = _run_module(torch.compile(layer, backend=backend, dynamic=False), (layer.weight, layer.bias), x, gy)
@@ -917,6 +917,7 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, floor,
 
     monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
     monkeypatch.setattr(mlp_module, "TRACED_LAYERS_MIN_FLOPS", floor)
+    monkeypatch.setattr(mlp_module, "traced_routes", lambda: "")  # the floor alone decides (see below)
     model = _mlp("auto")
     torch._dynamo.reset()
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
@@ -930,6 +931,28 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, floor,
     x = torch.randn(7, 6, dtype=torch.float64)
     y = torch.compile(model, fullgraph=True, dynamic=True)(x)
     assert chain_spy and asked == [(5, True)], (chain_spy, asked)
+    torch.testing.assert_close(y, _heads_output(model, x))
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, id="every-grouped-layer-native"),
+                                    pytest.param(False, id="no-native-route")])
+def test_compiled_mlp_below_the_floor_follows_eager_where_its_layers_take_native_routes(native, chain_spy, monkeypatch):
+    # Below TRACED_LAYERS_MIN_FLOPS a graph at a concrete batch keeps the device rule (the
+    # chain), unless every grouped layer would record its backend's C++ ops: then no layer
+    # costs the graph Python per call, and it follows eager (here: the layers).
+    from blockdiag.ops.auto import route_token
+
+    monkeypatch.setattr(GroupedMLP, "_measured_choice",
+                        lambda self, x: (False, "test: the layers", 2.0, 1.0, self._layer_plans(x)))
+    monkeypatch.setattr(mlp_module, "TRACED_LAYERS_MIN_FLOPS", _MLP_GROUPED_FLOPS_AT_5 + 1)
+    model = _mlp("auto")
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    routes = " ".join(route_token(p.backend, p.problem.dtype) for p in model._layer_plans(x) if p.problem.groups > 1)
+    monkeypatch.setattr(mlp_module, "traced_routes", lambda: routes if native else "")
+    torch._dynamo.reset()
+    chain_spy.clear()
+    y = torch.compile(model, fullgraph=True, dynamic=False)(x)
+    assert bool(chain_spy) != native, chain_spy
     torch.testing.assert_close(y, _heads_output(model, x))
 
 

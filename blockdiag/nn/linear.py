@@ -20,7 +20,7 @@ from ..ops import OpEntry, plain_eager
 from ..ops import _sharding
 from ..ops.auto import auto as _auto_op
 from ..ops.auto import auto_inline as _auto_inline_op
-from ..ops.auto import native_routes
+from ..ops.auto import traced_routes
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -202,14 +202,10 @@ def _traced_plan_state() -> str:
     """:func:`blockdiag.dispatch.plan_state`, which dynamo calls once and records as a constant.
 
     Under ``torch.compile`` (not ``torch.export``), followed by the native routes ready now
-    (:func:`blockdiag.ops.auto.native_routes`): the graph may then record a C++ backend's ops.
+    (:func:`blockdiag.ops.auto.traced_routes`): the graph may then record a C++ backend's ops.
     """
-    state = plan_state()
-    if not torch.compiler.is_exporting():
-        routes = native_routes()
-        if routes:
-            state = f"{state} {routes}"
-    return state
+    routes = traced_routes()
+    return f"{plan_state()} {routes}" if routes else plan_state()
 
 
 # What torch.compiler.assume_constant_result sets (all it does), set here without it: the

@@ -18,6 +18,7 @@ from ..backends import get
 from ..dispatch import Plan
 from ..ops._define import _records, rows_pay
 from ..ops._sharding import refuse_sharded
+from ..ops.auto import route_token, traced_routes
 from ..ops.fm_rows import fm_rows
 from .linear import GroupedLinear, _compile_guard
 
@@ -201,7 +202,11 @@ CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
 # with the work and their cost does not. ``blockdiag bench --compiled`` over the whole grid
 # with each rule (docs/results/mlp-traced-strategy-avx512.json, ordered by these FLOPs):
 # following eager everywhere made the smallest points slower, the largest faster or level,
-# and the points between went either way; the floor sits above them.
+# and the points between went either way; the floor sits above them. A graph whose grouped
+# layers all take a native route (``blockdiag.ops.auto``: the C++ ops of the backend eager
+# would run, recorded instead of the op) decides as eager does at any size: those layers
+# cost no Python per call, and in the same runs, with the native routes, following eager
+# was faster than the device rule at every point below the floor but two, which were level.
 TRACED_LAYERS_MIN_FLOPS = 10_000_000
 
 # A graph traced on a device type in this set runs the heads one after another (strategy
@@ -274,8 +279,9 @@ class GroupedMLP(nn.Module):
       batch size) does not read the table: on a device type in ``CHAIN_WHEREVER_ALLOWED``
       the chain runs wherever it is allowed, elsewhere the layers run, each planned as
       ``auto`` plans in a traced graph. A trace at a concrete batch decides as eager does
-      where the grouped layers' products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, and
-      by that device rule below. Before either, any trace on a device type in
+      where the grouped layers' products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, or
+      where ``torch.compile`` records every grouped layer's C++ ops (a native route, see
+      there), and by that device rule elsewhere. Before either, any trace on a device type in
       ``HEADS_DEVICES`` runs the heads where they are allowed and every grouped
       block is as large as ``TRACED_HEADS_RULE`` asks. Faster: the measured table (the one
       :func:`blockdiag.choose` uses) estimates the chain as the sum over layers of
@@ -616,8 +622,9 @@ class GroupedMLP(nn.Module):
         A graph traced at a concrete batch (the first one ``torch.compile`` makes, or every one
         with ``dynamic=False``) decides as eager ``auto`` does at that batch, from the table
         (:meth:`_measured_choice`, called outside the trace and recorded as a constant), where
-        its grouped products come to ``TRACED_LAYERS_MIN_FLOPS`` or more; below, it keeps the
-        device rule (each layer's op costs a compiled graph more than the fused chain there).
+        its grouped products come to ``TRACED_LAYERS_MIN_FLOPS`` or more, or where every grouped
+        layer takes a native route; elsewhere it keeps the device rule (each layer's op costs a
+        compiled graph more than the fused chain there).
         The graph is guarded on :data:`blockdiag.settings.generation`, so a settings, profile or
         registry change recompiles it. A graph serving every batch size (a symbolic batch)
         cannot read the table, whose answer depends on the batch: on a device type in
@@ -988,15 +995,20 @@ def _traced_measured_choice(model: GroupedMLP, rows: int, grad: bool, input_grad
     code (caches, the table) is Python that a graph should not contain. ``grad`` and
     ``input_grad``: the grad mode and whether the input requires grad where the call was
     traced (the plans depend on whether autograd records each layer). Below
-    ``TRACED_LAYERS_MIN_FLOPS`` the answer is the device rule instead (see there).
+    ``TRACED_LAYERS_MIN_FLOPS`` the answer is the device rule instead, unless every grouped
+    layer would take a native route (see there).
     """
     first = model.layers[0]
     stand_in = torch.empty((), dtype=first.weight.dtype, device=first.weight.device)
     with torch.set_grad_enabled(grad):
         stand_in.requires_grad_(input_grad and stand_in.is_floating_point())
         chain, _, _, _, plans = model._measured_choice(stand_in.expand(rows, first.in_features))
-    if sum(p.problem.flops for p in plans if p.problem.groups > 1) >= TRACED_LAYERS_MIN_FLOPS:
+    grouped = [p for p in plans if p.problem.groups > 1]
+    if sum(p.problem.flops for p in grouped) >= TRACED_LAYERS_MIN_FLOPS:
         return chain
+    routes = traced_routes().split()
+    if grouped and all(route_token(p.backend, p.problem.dtype) in routes for p in grouped):
+        return chain  # every grouped layer on a native route: no op cost per call (see TRACED_LAYERS_MIN_FLOPS)
     return first.weight.device.type in CHAIN_WHEREVER_ALLOWED  # the device rule, as at a symbolic batch
 
 

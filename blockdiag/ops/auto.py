@@ -57,7 +57,7 @@ from ._define import (
     rows_pay,
 )
 
-__all__ = ["auto", "auto_inline", "choice", "native_routes"]
+__all__ = ["auto", "auto_inline", "choice", "native_routes", "route_token", "traced_routes"]
 
 LIB.define("auto(Tensor x, Tensor weight, Tensor? bias, bool train) -> Tensor")
 LIB.define("auto_backward" + BACKWARD_SCHEMA)
@@ -226,7 +226,7 @@ def _inline(x, weight, bias, train, state=""):
         return FORWARD(x, weight, bias, train)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
-            and _route_token(entry.name, x.dtype) in state.split() and _fwad._current_level < 0:
+            and route_token(entry.name, x.dtype) in state.split() and _fwad._current_level < 0:
         ops = entry.compiled_ops().get(x.dtype)
         if ops is not None and x.device.type == "cpu":
             return _NativeRoute.apply(x, weight, bias, ops)
@@ -243,7 +243,8 @@ def _inline(x, weight, bias, train, state=""):
     return entry.eager(x, weight, bias)
 
 
-def _route_token(name: str, dtype: torch.dtype) -> str:
+def route_token(name: str, dtype: torch.dtype) -> str:
+    """The token naming backend ``name``'s native route for ``dtype`` in a plan state."""
     return f"native:{name}:{str(dtype).removeprefix('torch.')}"
 
 
@@ -253,8 +254,13 @@ def native_routes() -> str:
     One token per backend and dtype whose C++ ops (``OpEntry.compiled_ops``) are ready, e.g.
     ``"native:simd:float32 native:simd:float64"``; empty where there are none.
     """
-    return " ".join(sorted(_route_token(e.name, dt) for e in _ENTRIES.values() if e.compiled_ops is not None
+    return " ".join(sorted(route_token(e.name, dt) for e in _ENTRIES.values() if e.compiled_ops is not None
                            for dt in e.compiled_ops()))
+
+
+def traced_routes() -> str:
+    """:func:`native_routes` under ``torch.compile``; empty while ``torch.export`` traces."""
+    return "" if torch.compiler.is_exporting() else native_routes()
 
 
 class _NativeRoute(torch.autograd.Function):
