@@ -421,6 +421,25 @@ def test_compiled_auto_records_simds_cpp_ops_at_a_static_batch(dynamic):
     assert counter.get_total_flops() == 3 * 2 * N * G * I * O
 
 
+def test_compiled_auto_under_forward_ad_takes_no_native_route():
+    # simd's C++ ops have no forward-mode rule: a compiled graph run with a dual input is
+    # retraced (the graph is guarded on the forward-AD level) without the native route, and
+    # the tangent is the product applied to the input's tangent.
+    import torch.autograd.forward_ad as fwad
+
+    w, b, x, _gy, _want = _simd_chosen()
+    layer = _layer("auto", w, b).requires_grad_(False)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    compiled(x)  # the native route's graph
+    tangent = torch.randn_like(x)
+    with fwad.dual_level():
+        y = compiled(fwad.make_dual(x, tangent))
+        got = fwad.unpack_dual(y).tangent
+    assert got is not None, "the tangent was dropped"
+    want = reference_loop(tangent.double(), w.double(), None)
+    _close(got, want, torch.float32, what="forward-AD tangent through the compiled layer")
+
+
 def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkeypatch):
     # The route is taken only where the graph's plan state names it (what a graph traced
     # before the ops were ready carries): graphs with and without it differ, so torch's

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad as _fwad
 
 from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
@@ -198,13 +199,14 @@ def _compile_guard(generation: int) -> None:
         raise AssertionError(generation)
 
 
-def _traced_plan_state() -> str:
+def _traced_plan_state(native: bool = True) -> str:
     """:func:`blockdiag.dispatch.plan_state`, which dynamo calls once and records as a constant.
 
-    Under ``torch.compile`` (not ``torch.export``), followed by the native routes ready now
-    (:func:`blockdiag.ops.auto.traced_routes`): the graph may then record a C++ backend's ops.
+    With ``native``, under ``torch.compile`` (not ``torch.export``), followed by the native
+    routes ready now (:func:`blockdiag.ops.auto.traced_routes`): the graph may then record a
+    C++ backend's ops.
     """
-    routes = traced_routes()
+    routes = traced_routes() if native else ""
     return f"{plan_state()} {routes}" if routes else plan_state()
 
 
@@ -239,7 +241,9 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             # The new graph must also differ from the old one, or torch's compile caches (keyed
             # by the graph) hand back the old plan: it carries the plan state's digest.
             _compile_guard(_settings.generation)
-            y = _auto_inline_op(x2, weight, bias, train, _traced_plan_state())
+            # The C++ ops of a native route have no forward-mode rule: a graph traced, or run,
+            # with forward AD active records none (reading the level makes it a guard).
+            y = _auto_inline_op(x2, weight, bias, train, _traced_plan_state(_fwad._current_level < 0))
         else:
             y = _auto_op(x2, weight, bias, train)
     else:
