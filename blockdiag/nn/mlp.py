@@ -205,8 +205,7 @@ CHAIN_WHEREVER_ALLOWED = frozenset({"cpu"})
 # and the points between went either way; the floor sits above them. A graph whose grouped
 # layers all take a native route (``blockdiag.ops.auto``: the C++ ops of the backend eager
 # would run, recorded instead of the op) decides as eager does at any size: those layers
-# cost no Python per call, and in the same runs, with the native routes, following eager
-# was faster than the device rule at every point below the floor but two, which were level.
+# cost no Python per call (the same file has the grid under that rule too).
 TRACED_LAYERS_MIN_FLOPS = 10_000_000
 
 # A graph traced on a device type in this set runs the heads one after another (strategy
