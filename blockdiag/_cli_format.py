@@ -197,6 +197,9 @@ COMPILED_SUMMARY = (
     ("worst_point_compiled_over_eager", "  at", "{}"),
     ("geomean_loop_compiled_over_eager", "the nn.Linear loop's compiled over eager, geometric mean", "{:.3f}"),
     ("geomean_vmap_compiled_over_eager", "vmap ensembling's compiled over eager, geometric mean", "{:.3f}"),
+    ("geomean_control_compiled_over_eager", "the control's compiled over eager (plain layers, same work), "
+     "geometric mean", "{:.3f}"),
+    ("geomean_compiled_over_eager_over_control", "compiled over eager, over the control's, geometric mean", "{:.3f}"),
     ("geomean_compiled_over_best_peer", "compiled over the fastest compiled peer, geometric mean", "{:.3f}"),
     ("geomean_speedup_over_best_peer", "speed-up over the fastest compiled peer, geometric mean", "{:.2f}x"),
     ("max_compiled_over_best_peer", "compiled over the fastest compiled peer, worst", "{:.3f}"),

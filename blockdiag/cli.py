@@ -582,12 +582,12 @@ def _announce(command: str, args, points: int, modes, writes: str, estimate: str
 def _bench_compiled(args, grid, modes) -> int:
     """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
     from . import profile as prof
-    from .tuning import COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
+    from .tuning import COMPILED_CONTROL, COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
 
     bd = ["auto", *dict.fromkeys(args.backends or ())]
-    # Per point and model: each blockdiag module eager and compiled, and the compiled peers.
+    # Per point and model: each blockdiag module eager and compiled, the peers and the control.
     points = _point_costs(grid, modes, args.max_gflop) * len(args.compiled)
-    steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS)))
+    steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS) + 1))
     # The loop of heads, eager and compiled, calls torch once per group.
     loops = 2 * _looping(n for n in bd if n != "auto") + (0 if args.no_baselines else 2)
     _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
@@ -597,7 +597,7 @@ def _bench_compiled(args, grid, modes) -> int:
                           backends=args.backends, rounds=args.repeat, min_time=args.min_time,
                           baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
                           refine=args.refine, compiler=args.compiler, progress=sys.stderr)
-    peers = [] if args.no_baselines else [p.removesuffix("_compiled") for p in COMPILED_PEERS]
+    peers = [] if args.no_baselines else [*(p.removesuffix("_compiled") for p in COMPILED_PEERS), COMPILED_CONTROL]
     cols = [c for n in (*bd, *peers) for c in (n, f"{n}_compiled")]
     timed = [r for r in rows if "times_us" in r]
     units = {c: fmt.unit(r["times_us"].get(c) for r in timed) for c in cols}
@@ -607,9 +607,11 @@ def _bench_compiled(args, grid, modes) -> int:
     print(f"torch.compile (backend {args.compiler}, dynamic=False, compile time excluded), {args.stat} of "
           f"{args.repeat} interleaved rounds; times in the unit of their column (us or ms); _c: compiled; "
           f"c/eager: compiled blockdiag over eager blockdiag; c/peer: compiled blockdiag over the fastest "
-          f"compiled peer (loop of heads, vmap; each also timed eager)")
+          f"compiled peer (loop of heads, vmap; each also timed eager); ctl c/e: the control's compiled over "
+          f"eager (plain layers, same input and FLOPs: torch.compile's own cost at that work)")
     head = f"{'mode':7s} {'model':6s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{label[c]:>{width}s}" for c in cols)
-    head += "".join(f" {e:>7s} {c:>7s}" for _, e, c in ratio_cols) + f" {'choice':>8s}"
+    head += "".join(f" {e:>7s} {c:>7s}" for _, e, c in ratio_cols)
+    head += ("" if args.no_baselines else f" {'ctl c/e':>7s}") + f" {'choice':>8s}"
     print(head)
     for r in rows:
         lead = (f"{r['mode']:7s} {r['model']:6s} {r['batch']:5d} {r['groups']:4d} "
@@ -627,6 +629,7 @@ def _bench_compiled(args, grid, modes) -> int:
         print(lead + " ".join(f"{cell(c):>{width}s}" for c in cols)
               + "".join(f" {fmt.ratio(r['compiled_over_eager'].get(n))} "
                         f"{fmt.ratio(r['compiled_over_best_peer'].get(n))}" for n, _, _ in ratio_cols)
+              + ("" if args.no_baselines else f" {fmt.ratio(r.get('control_compiled_over_eager'))}")
               + f" {r.get('auto') or '-':>8s}")
     for r in rows:
         for c, why in r.get("failed", {}).items():

@@ -495,8 +495,9 @@ def bench_compiled_markdown(name: str) -> str:
     )
     out.append("| mode | model | points | compiled over eager: geometric mean (worst) | "
                "the peers' compiled over eager: loop, vmap (geometric means) | "
+               "the control's compiled over eager (geometric mean) | "
                "compiled over the best compiled peer: geometric mean (worst) | points slower than that peer |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|")
     for mode, models in d.get("summary", {}).items():
         for model, s in models.items():
             out.append(
@@ -504,6 +505,7 @@ def bench_compiled_markdown(name: str) -> str:
                 f"({_fmt(s.get('max_compiled_over_eager'), '.2f')}) | "
                 f"{_fmt(s.get('geomean_loop_compiled_over_eager'), '.2f')}, "
                 f"{_fmt(s.get('geomean_vmap_compiled_over_eager'), '.2f')} | "
+                f"{_fmt(s.get('geomean_control_compiled_over_eager'), '.2f')} | "
                 f"{_fmt(s.get('geomean_compiled_over_best_peer'), '.2f')} "
                 f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')} |"
             )

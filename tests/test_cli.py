@@ -560,7 +560,7 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     out_json = tmp_path / "c.json"
     assert main(["bench", *TINY, "--compiled", "--compiler", "aot_eager", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
-    assert "c/eager" in printed and "c/peer" in printed and "wrong" in printed
+    assert "c/eager" in printed and "c/peer" in printed and "ctl c/e" in printed and "wrong" in printed
     assert "failed: train linear B=4 G=3 3x2 vmap_compiled: RuntimeError: backend='x' raised: boom" in printed
     assert "\ntrain all:\n" in printed and "issue 21's targets:" in printed.split("\ntrain all:\n")[1]
     doc = json.loads(out_json.read_text())
@@ -573,9 +573,12 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         t = r["times_us"]
         assert r["compiled_over_eager"]["auto"] == pytest.approx(t["auto_compiled"] / t["auto"], rel=2e-3, abs=1e-4)
         assert r["compile_s"]["auto_compiled"] > 0 and r["graphs"]["auto_compiled"] >= 1
+        # The control (plain layers, same input and FLOPs) ran eager and compiled at every point.
+        assert r["control_compiled_over_eager"] == pytest.approx(
+            t["control_compiled"] / t["control"], rel=2e-3, abs=1e-4)
         if r["groups"] == 2:
             assert r["failed"] == {} and set(t) == {
-                "auto", "auto_compiled", "loop", "loop_compiled", "vmap", "vmap_compiled"}
+                "auto", "auto_compiled", "loop", "loop_compiled", "vmap", "vmap_compiled", "control", "control_compiled"}
             assert t[r["best_peer"]] == min(t["loop_compiled"], t["vmap_compiled"])
             assert r["compiled_over_best_peer"]["auto"] == pytest.approx(
                 t["auto_compiled"] / t[r["best_peer"]], rel=2e-3, abs=1e-4)
@@ -585,7 +588,8 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         else:
             # The peers ran eager (their compiled forms failed): no compiled over eager for them.
             assert set(r["failed"]) == {"loop_compiled", "vmap_compiled"}
-            assert set(t) == {"auto", "auto_compiled", "loop", "vmap"} and r["peer_compiled_over_eager"] == {}
+            assert set(t) == {"auto", "auto_compiled", "loop", "vmap", "control", "control_compiled"}
+            assert r["peer_compiled_over_eager"] == {}
             assert r["failed"]["vmap_compiled"] == "RuntimeError: backend='x' raised: boom"
             assert r["failed"]["loop_compiled"].startswith("wrong result: compiled result differs from eager: output off by")
             assert r["best_peer"] is None and r["compiled_over_best_peer"] == {}
@@ -599,6 +603,10 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     # Each peer's compiled over eager, over the points where it compiled (G=2 only).
     for peer in ("loop", "vmap"):
         assert s["linear"][f"geomean_{peer}_compiled_over_eager"] == one["peer_compiled_over_eager"][f"{peer}_compiled"]
+    ctl = [r["control_compiled_over_eager"] for r in rows if r["model"] == "linear"]
+    assert s["linear"]["geomean_control_compiled_over_eager"] == pytest.approx((ctl[0] * ctl[1]) ** 0.5, abs=1e-4)
+    assert s["linear"]["geomean_compiled_over_eager_over_control"] == pytest.approx(
+        (lin[0] / ctl[0] * lin[1] / ctl[1]) ** 0.5, abs=2e-4)
     assert s["linear"]["max_compiled_over_best_peer"] == one["compiled_over_best_peer"]["auto"]
     assert s["linear"]["worst_point_compiled_over_best_peer"] == "linear B=4 G=2 3x2"
     assert set(s["all"]["targets_met"]) == {

@@ -59,6 +59,7 @@ from ._timer import (
 )
 from ._bench import (
     COMPILED_MODELS,
+    COMPILED_CONTROL,
     COMPILED_PEERS,
     COMPILED_TARGETS,
     _HeadsLoop,

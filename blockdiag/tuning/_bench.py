@@ -232,6 +232,14 @@ COMPILED_MODELS = ("linear", "mlp")
 # The compiled peers; the best of them at a point is what compiled blockdiag must beat.
 COMPILED_PEERS = ("loop_compiled", "vmap_compiled")
 
+# The control, timed with the peers but compared with nothing: plain torch layers with the
+# same input and the same FLOPs as the model, one op per layer and no grouping
+# (``nn.Linear(G*in, out)`` for ``linear``; ``Linear(in, G*out), ReLU, Linear(G*out, out)``
+# for ``mlp``). torch.compile has nothing to batch or take out of such a module, so its
+# compiled over eager time is what torch.compile's own per-call runtime costs a module of
+# that work: the floor under blockdiag's, which is one op per layer too.
+COMPILED_CONTROL = "control"
+
 # Issue 21's targets for the compiled training step (reported by :func:`summarize_compiled`,
 # not enforced): compiled blockdiag no slower than eager blockdiag on geometric mean, at
 # least 1.25x faster than the best compiled peer on geometric mean, slower than it nowhere.
@@ -297,10 +305,12 @@ def _model_flops(model: str, p: Problem) -> float:
 
 
 def _compiled_modules(model: str, p: Problem, forced: Sequence[str], baselines: bool, seed: int = 0):
-    """The modules of one point, all computing the same function with the same weights.
+    """The modules of one point, all but the control computing the same function with the same weights.
 
-    Returns ``({name: module}, x, gy)``: ``"auto"`` and each name of ``forced`` (the
-    blockdiag module with that backend), then ``"loop"`` and ``"vmap"`` (with ``baselines``).
+    Returns ``({name: module}, x, {name: gy})``: ``"auto"`` and each name of ``forced`` (the
+    blockdiag module with that backend), then ``"loop"``, ``"vmap"`` and
+    :data:`COMPILED_CONTROL` (with ``baselines``); each module's output gradient (None in
+    inference).
     """
     from ..nn import GroupedLinear, GroupedMLP
 
@@ -311,22 +321,29 @@ def _compiled_modules(model: str, p: Problem, forced: Sequence[str], baselines: 
         if model == "linear":
             bd = GroupedLinear(g * i, g * o, g, dtype=p.dtype)
             heads, split, x = bd.to_linears(), i, torch.randn(n, g * i, dtype=p.dtype)
+            control: nn.Module = nn.Linear(g * i, o, dtype=p.dtype)
         else:
             bd = GroupedMLP(i, [o], o, heads=g, dtype=p.dtype)
             heads, split, x = bd.to_heads(), None, torch.randn(n, i, dtype=p.dtype)
+            control = nn.Sequential(nn.Linear(i, g * o, dtype=p.dtype), nn.ReLU(), nn.Linear(g * o, o, dtype=p.dtype))
         gy = torch.randn(n, g * o, dtype=p.dtype) if train else None
+        gy_control = torch.randn(n, o, dtype=p.dtype) if train else None
     mods: dict[str, nn.Module] = {"auto": bd}
     for name in forced:
         m = copy.deepcopy(bd)
         m.backend = name
         mods[name] = m
+    gys = {name: gy for name in mods}
     if baselines:
         mods["loop"] = _HeadsLoop(heads, split)
         mods["vmap"] = _VmapEnsemble(heads, split)
+        mods[COMPILED_CONTROL] = control
+        gys.update(loop=gy, vmap=gy)
+        gys[COMPILED_CONTROL] = gy_control
     for m in mods.values():
         m.to(p.device).requires_grad_(train)
     x = x.to(p.device).requires_grad_(train and model == "linear")
-    return mods, x, (gy.to(p.device) if gy is not None else None)
+    return mods, x, {k: (v.to(p.device) if v is not None else None) for k, v in gys.items()}
 
 
 def _module_step(call: Callable, module: nn.Module, x: torch.Tensor, gy: Optional[torch.Tensor]) -> Callable[[], None]:
@@ -422,7 +439,7 @@ def bench_compiled(
     At each point and model (:data:`COMPILED_MODELS`), dynamo is reset (so no recompile
     limit is ever reached across points), then each module is built with the same weights
     (blockdiag with ``auto`` and with each of ``backends`` forced, the loop of heads, vmap
-    ensembling), run once eager as the reference, compiled (``torch.compile(module,
+    ensembling; and :data:`COMPILED_CONTROL`, plain layers of the same work), run once eager as the reference, compiled (``torch.compile(module,
     dynamic=dynamic)``) and run twice: the first call compiles the forward and backward
     graphs, and its results must match the eager ones (:data:`_COMPILED_RTOL`). Compile
     time is recorded, not timed. Then every module, eager and compiled (the peers too: their
@@ -457,13 +474,14 @@ def bench_compiled(
 
     Returns:
         one dict per point, model and mode: ``times_us`` (``auto``, each forced backend,
-            the peers ``loop`` and ``vmap``, and ``<name>_compiled`` for each of those),
+            the peers ``loop`` and ``vmap``, the control, and ``<name>_compiled`` for each of those),
             ``compile_s``, ``graphs`` and ``graph_breaks`` (per compiled step, from its first
             two calls), ``failed`` (step -> error), ``auto`` (GroupedLinear's choice, eager),
             ``best_peer``, ``compiled_over_eager`` and ``compiled_over_best_peer`` (per
             blockdiag backend name: its compiled time over its eager time, and over the
             fastest compiled peer's), ``peer_compiled_over_eager`` (per compiled peer: its
-            compiled time over its eager time), and ``graphs_while_timing`` where graphs were compiled
+            compiled time over its eager time), ``control_compiled_over_eager`` (the same
+            for :data:`COMPILED_CONTROL`, timed with ``baselines``), and ``graphs_while_timing`` where graphs were compiled
             during the timing (a recompile the warm-up did not catch); or ``skipped_point``.
 
     Raises:
@@ -513,11 +531,11 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
     breaks: dict[str, int] = {}
     out: dict = {}
     try:
-        mods, x, gy = _compiled_modules(model, p, forced, baselines)
+        mods, x, gys = _compiled_modules(model, p, forced, baselines)
     except Exception as e:  # noqa: BLE001
         for n in bd_names:
             failed[n] = _error_line(e)
-        mods, x, gy = {}, None, None
+        mods, x, gys = {}, None, {}
     if model == "linear" and "auto" in mods:
         try:
             out["auto"] = mods["auto"].plan(x).backend
@@ -525,7 +543,7 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             pass
     with _recompile_limit(2 * len(mods) + 8):
         for name, mod in mods.items():
-            cname = f"{name}_compiled"
+            cname, gy = f"{name}_compiled", gys[name]
             try:
                 want = _results(mod, mod, x, gy)
             except Exception as e:  # noqa: BLE001
@@ -574,6 +592,9 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             ce[n] = round(c / us[n], 4)
         if best_peer is not None:
             cp[n] = round(c / peers[best_peer], 4)
+    ctl, ctl_c = us.get(COMPILED_CONTROL), us.get(f"{COMPILED_CONTROL}_compiled")
+    if ctl is not None and ctl_c is not None:
+        out["control_compiled_over_eager"] = round(ctl_c / ctl, 4)
     out.update(
         times_us={n: round(v, 3) for n, v in us.items()},
         compile_s=compile_s,
@@ -615,6 +636,12 @@ def _compiled_stats(rs: Sequence[dict], name: str) -> Optional[dict]:
             pv = [r["peer_compiled_over_eager"][peer] for _, r in ce if peer in r.get("peer_compiled_over_eager", {})]
             if pv:
                 s[f"geomean_{peer.removesuffix('_compiled')}_compiled_over_eager"] = round(_geomean(pv), 4)
+        # The control's, and blockdiag's over the control's point by point: 1 where
+        # torch.compile costs blockdiag what it costs plain layers of the same work.
+        both = [(v, r["control_compiled_over_eager"]) for v, r in ce if "control_compiled_over_eager" in r]
+        if both:
+            s["geomean_control_compiled_over_eager"] = round(_geomean([c for _, c in both]), 4)
+            s["geomean_compiled_over_eager_over_control"] = round(_geomean([v / c for v, c in both]), 4)
     if cp:
         worst = max(cp, key=lambda t: t[0])
         gm = _geomean([v for v, _ in cp])
@@ -648,7 +675,11 @@ def summarize_compiled(rows: Sequence[dict]) -> dict:
     blockdiag is slower than that peer, ``targets_met`` (:data:`COMPILED_TARGETS`, and no
     failed point), and ``geomean_loop_compiled_over_eager`` /
     ``geomean_vmap_compiled_over_eager``: each peer's compiled over eager time over the
-    same points, torch.compile's effect on the computations blockdiag replaces.
+    same points, torch.compile's effect on the computations blockdiag replaces;
+    ``geomean_control_compiled_over_eager``, the same for :data:`COMPILED_CONTROL` (plain
+    layers of the same work), and ``geomean_compiled_over_eager_over_control``, blockdiag's
+    compiled over eager divided by the control's, point by point: at or under 1, compiling
+    costs blockdiag no more than it costs plain layers.
 
     >>> summarize_compiled([])
     {}
@@ -659,7 +690,7 @@ def summarize_compiled(rows: Sequence[dict]) -> dict:
         rs = [r for r in measured if r["mode"] == mode]
         # The blockdiag modules of the rows: auto, and the backends forced (timed or failed).
         steps = {k.removesuffix("_compiled") for r in rs for k in (*r["times_us"], *r["failed"])}
-        names_ = ["auto"] + sorted(steps - {"auto", "loop", "vmap"})
+        names_ = ["auto"] + sorted(steps - {"auto", "loop", "vmap", COMPILED_CONTROL})
         models = [m for m in COMPILED_MODELS if any(r["model"] == m for r in rs)]
         s = {}
         for model in models + (["all"] if len(models) > 1 else []):
