@@ -582,7 +582,14 @@ def _announce(command: str, args, points: int, modes, writes: str, estimate: str
 def _bench_compiled(args, grid, modes) -> int:
     """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
     from . import profile as prof
-    from .tuning import COMPILED_CONTROL, COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
+    from .tuning import (
+        COMPILED_CONTROL,
+        COMPILED_PEERS,
+        FAULTS_NOTED,
+        allocator_env,
+        bench_compiled,
+        summarize_compiled,
+    )
 
     bd = ["auto", *dict.fromkeys(args.backends or ())]
     # Per point and model: each blockdiag module eager and compiled, the peers and the control.
@@ -635,6 +642,12 @@ def _bench_compiled(args, grid, modes) -> int:
         for c, why in r.get("failed", {}).items():
             print(f"failed: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} "
                   f"{c}: {why}")
+    for r in rows:
+        many = {c: v for c, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
+        if many:
+            print(f"page faults per step: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} "
+                  f"{r['block_in']}x{r['block_out']}: " + ", ".join(f"{c} {v:g}" for c, v in many.items())
+                  + " (fresh pages from the allocator every step: see docs/faq.md)")
     summary = summarize_compiled(rows)
     for mode, per in summary.items():
         for key, s in per.items():

@@ -510,6 +510,24 @@ def bench_compiled_markdown(name: str) -> str:
                 f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')} |"
             )
     out.append("")
+    from blockdiag.tuning import FAULTS_NOTED
+
+    faulting = []
+    for r in d.get("rows", []):
+        many = {k: v for k, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
+        if many:
+            ratio = r.get("compiled_over_best_peer", {}).get("auto")
+            faulting.append(
+                f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} | "
+                + ", ".join(f"`{k}` {v:g}" for k, v in sorted(many.items(), key=lambda kv: -kv[1]))
+                + f" | {_fmt(ratio, '.2f')} |")
+    if faulting:
+        out.append(f"Points where a timed step page-faulted {FAULTS_NOTED} times a call or more (fresh pages "
+                   "from the allocator on every step, [FAQ](faq.md#training-at-large-batch-is-slower-than-expected)):\n")
+        out.append("| point | page faults per step | compiled over the best compiled peer |")
+        out.append("|---|---|---|")
+        out.extend(faulting)
+        out.append("")
     return "\n".join(out)
 
 

@@ -162,6 +162,32 @@ def test_measure_reports_failures_and_prunes():
     assert calls["slow"] == 4
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the platform does not count page faults")
+def test_measure_counts_page_faults_per_call():
+    import mmap
+
+    def fresh_pages():
+        # 1 MB of anonymous memory the kernel faults in page by page, then hands back.
+        m = mmap.mmap(-1, 1 << 20)
+        for off in range(0, 1 << 20, mmap.PAGESIZE):
+            m[off] = 1
+        m.close()
+
+    kept = bytearray(1 << 20)
+
+    def same_pages():
+        for off in range(0, 1 << 20, mmap.PAGESIZE):
+            kept[off] = 1
+
+    faults: dict = {}
+    times, _ = measure({"fresh": fresh_pages, "same": same_pages}, "cpu", rounds=3, min_time=0.0, faults=faults)
+    assert set(faults) == set(times) == {"fresh", "same"}
+    pages = (1 << 20) // mmap.PAGESIZE
+    # Fault-around or huge pages can map a few pages per fault, never none.
+    assert faults["fresh"] >= pages / 16 and faults["same"] < 1
+    assert measure({"same": same_pages}, "cpu", rounds=1, min_time=0.0)[0].keys() == {"same"}  # faults optional
+
+
 def test_measure_records_exceptions_of_any_type():
     # A kernel library's own error class (Triton's OutOfResources derives from Exception
     # alone) is one backend's failure, not the end of the tune.
@@ -612,6 +638,21 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     assert set(s["all"]["targets_met"]) == {
         "geomean_compiled_over_eager<=1.02", "geomean_speedup_over_best_peer>=1.25",
         "slower_than_no_compiled_peer", "compiled_everywhere"}
+
+
+def test_bench_compiled_names_the_steps_that_page_fault(capsys, monkeypatch):
+    # A fake fault counter: every step "faults" 30 pages a call, at or above FAULTS_NOTED.
+    from blockdiag.tuning import _timer
+
+    count = iter(range(0, 10**9, 30))
+    monkeypatch.setattr(_timer, "_minor_faults", lambda: next(count))
+    assert tuning.FAULTS_NOTED <= 30
+    assert main(["bench", "--batch", "4", "--groups", "2", "--blocks", "3x2", "--repeat", "1", "--min-time", "0",
+                 "--compiled", "linear", "--compiler", "aot_eager", "--no-baselines"]) == 0
+    printed = capsys.readouterr().out
+    line = [ln for ln in printed.splitlines() if ln.startswith("page faults per step:")]
+    assert line and line[0].startswith("page faults per step: train linear B=4 G=2 3x2: auto ")
+    assert "auto_compiled " in line[0] and "see docs/faq.md" in line[0]
 
 
 def test_bench_compiled_rejects_unknown_models(capsys):

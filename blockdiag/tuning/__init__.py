@@ -58,10 +58,11 @@ from ._timer import (
     measure,
 )
 from ._bench import (
-    COMPILED_MODELS,
     COMPILED_CONTROL,
+    COMPILED_MODELS,
     COMPILED_PEERS,
     COMPILED_TARGETS,
+    FAULTS_NOTED,
     _HeadsLoop,
     _VmapEnsemble,
     bench,

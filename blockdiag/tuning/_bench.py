@@ -249,6 +249,12 @@ COMPILED_TARGETS = {
     "max_compiled_over_best_peer": 1.0,
 }
 
+# ``bench --compiled`` names the points where a timed step page-faults at least this many
+# times per call: 40 KB of fresh pages a step, already more than a warm step's own work
+# asks of an allocator that keeps what it frees. Above it the step pays for the allocator
+# handing it new memory every call (docs/faq.md), which can decide a comparison.
+FAULTS_NOTED = 10
+
 # How far a compiled module's output and gradients may be from the same module's eager ones,
 # relative to the largest entry: the same products, summed in another order (or in TF32 on
 # CUDA, where torch's settings allow it). A compiled kernel fed the wrong pointers is off by
@@ -481,7 +487,10 @@ def bench_compiled(
             blockdiag backend name: its compiled time over its eager time, and over the
             fastest compiled peer's), ``peer_compiled_over_eager`` (per compiled peer: its
             compiled time over its eager time), ``control_compiled_over_eager`` (the same
-            for :data:`COMPILED_CONTROL`, timed with ``baselines``), and ``graphs_while_timing`` where graphs were compiled
+            for :data:`COMPILED_CONTROL`, timed with ``baselines``), ``faults_per_step`` (per
+            step: its minor page faults per call, the median over its samples, where the
+            platform counts them: a warm step that faults is paying the allocator for fresh
+            pages), and ``graphs_while_timing`` where graphs were compiled
             during the timing (a recompile the warm-up did not catch); or ``skipped_point``.
 
     Raises:
@@ -572,8 +581,9 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
                 graphs[cname], breaks[cname] = g1 - g0, b1 - b0
             steps[cname] = _module_step(cm, mod, x, gy)
         g_before = _dynamo_counts()[0]
+        faults: dict[str, float] = {}
         times, errs = _tuning.measure(steps, p.device, rounds, min_time, prune=0.0, stat=stat, refine=refine,
-                              refine_also=tuple(steps))
+                                      refine_also=tuple(steps), faults=faults)
         g_timing = _dynamo_counts()[0] - g_before
     failed.update(errs)
     us = {n: t * 1e6 for n, t in times.items()}
@@ -592,6 +602,8 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             ce[n] = round(c / us[n], 4)
         if best_peer is not None:
             cp[n] = round(c / peers[best_peer], 4)
+    if faults:
+        out["faults_per_step"] = {n: round(v, 1) for n, v in faults.items()}
     ctl, ctl_c = us.get(COMPILED_CONTROL), us.get(f"{COMPILED_CONTROL}_compiled")
     if ctl is not None and ctl_c is not None:
         out["control_compiled_over_eager"] = round(ctl_c / ctl, 4)

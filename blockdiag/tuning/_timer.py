@@ -6,6 +6,7 @@ import copy
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from itertools import product
@@ -189,6 +190,7 @@ def measure(
     stat: str = "median",
     refine: float = 0.0,
     refine_also: Iterable[str] = (),
+    faults: Optional[dict[str, float]] = None,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
 
@@ -210,6 +212,10 @@ def measure(
         refine_also: steps (``keep`` ones included) that join those extra rounds whenever
             ``refine`` is on, however far from the fastest they are: ``bench`` adds ``auto``
             and what it is compared with, whose ratios are the run's result.
+        faults: a dict to fill with each step's minor page faults per call, the median over
+            its samples (counted around each sample, outside its timing; left empty where
+            the platform does not count them). A warm step that faults is paying for fresh
+            pages from the allocator, not for its own work (docs/faq.md).
 
     Returns:
         ``({name: seconds}, {name: error message})``; a step that raised is reported in the
@@ -221,6 +227,9 @@ def measure(
     reps: dict[str, int] = {}
     failures: dict[str, str] = {}
     samples: dict[str, list[float]] = {}
+    counts: Optional[dict[str, list[float]]] = None
+    if faults is not None and _minor_faults() is not None:
+        counts = {n: [] for n in steps}
     for name, run in steps.items():
         try:
             run()  # warm-up: allocator, lazy init, oneDNN primitive caches
@@ -266,7 +275,7 @@ def measure(
         for name in order[k:] + order[:k]:
             if r == 0 and reps[name] == 1 and samples[name]:
                 continue  # the timed warm-up run is this round's sample
-            samples[name].append(_sample(steps[name], reps[name], device))
+            samples[name].append(_sample(steps[name], reps[name], device, None if counts is None else counts[name]))
     agg = STATS[stat]
     contenders = {n: agg(samples[n]) for n in order if n not in keep}
     best = min(contenders.values(), default=0.0)
@@ -276,20 +285,35 @@ def measure(
     for r in range(rounds if len(tied) > 1 else 0):
         k = r % len(tied)
         for name in tied[k:] + tied[:k]:
-            samples[name].append(_sample(steps[name], reps[name], device))
+            samples[name].append(_sample(steps[name], reps[name], device, None if counts is None else counts[name]))
+    if faults is not None and counts:
+        faults.update({n: statistics.median(v) for n, v in counts.items() if v and n in samples})
     return {n: agg(v) for n, v in samples.items()}, failures
 
 
-def _sample(run: Callable[[], None], n: int, device: str) -> float:
-    """Seconds per call of ``n`` back-to-back calls of ``run``."""
+def _minor_faults() -> Optional[int]:
+    """This process's minor page faults so far (None where the platform does not count them)."""
+    if sys.platform == "win32":
+        return None
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _sample(run: Callable[[], None], n: int, device: str, faults: Optional[list[float]] = None) -> float:
+    """Seconds per call of ``n`` back-to-back calls of ``run``; appends its page faults per call to ``faults``."""
     if n > 1:
         run()  # untimed: wakes the thread pool, so the sample measures the op, not the wake-up
     _sync(device)
+    f0 = _minor_faults() if faults is not None else None
     t0 = time.perf_counter()
     for _ in range(n):
         run()
     _sync(device)
-    return (time.perf_counter() - t0) / n
+    dt = time.perf_counter() - t0
+    if f0 is not None:
+        faults.append((_minor_faults() - f0) / n)
+    return dt / n
 
 
 STATS = {"median": statistics.median, "min": min}
