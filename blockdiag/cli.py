@@ -579,17 +579,23 @@ def _announce(command: str, args, points: int, modes, writes: str, estimate: str
           file=sys.stderr)
 
 
+def _print_faults(rows) -> None:
+    """One line per point where a timed step page-faulted ``FAULTS_NOTED`` times a call or more."""
+    from .tuning import FAULTS_NOTED
+
+    for r in rows:
+        many = {c: v for c, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
+        if many:
+            model = f" {r['model']}" if "model" in r else ""
+            print(f"page faults per step: {r['mode']}{model} B={r['batch']} G={r['groups']} "
+                  f"{r['block_in']}x{r['block_out']}: " + ", ".join(f"{c} {v:g}" for c, v in many.items())
+                  + " (fresh pages from the allocator every step: see docs/faq.md)")
+
+
 def _bench_compiled(args, grid, modes) -> int:
     """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
     from . import profile as prof
-    from .tuning import (
-        COMPILED_CONTROL,
-        COMPILED_PEERS,
-        FAULTS_NOTED,
-        allocator_env,
-        bench_compiled,
-        summarize_compiled,
-    )
+    from .tuning import COMPILED_CONTROL, COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
 
     bd = ["auto", *dict.fromkeys(args.backends or ())]
     # Per point and model: each blockdiag module eager and compiled, the peers and the control.
@@ -642,12 +648,7 @@ def _bench_compiled(args, grid, modes) -> int:
         for c, why in r.get("failed", {}).items():
             print(f"failed: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} "
                   f"{c}: {why}")
-    for r in rows:
-        many = {c: v for c, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
-        if many:
-            print(f"page faults per step: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} "
-                  f"{r['block_in']}x{r['block_out']}: " + ", ".join(f"{c} {v:g}" for c, v in many.items())
-                  + " (fresh pages from the allocator every step: see docs/faq.md)")
+    _print_faults(rows)
     summary = summarize_compiled(rows)
     for mode, per in summary.items():
         for key, s in per.items():
@@ -739,6 +740,7 @@ def cmd_bench(args) -> int:
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
     if skipped:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
+    _print_faults(rows)
     summary = summarize(rows)
     for mode, s in summary.items():
         print(fmt.summary_lines(mode, s))

@@ -640,19 +640,27 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         "slower_than_no_compiled_peer", "compiled_everywhere"}
 
 
-def test_bench_compiled_names_the_steps_that_page_fault(capsys, monkeypatch):
+@pytest.mark.parametrize("extra, point, step", [
+    (["--compiled", "linear", "--compiler", "aot_eager"], "train linear B=4 G=2 3x2", "auto_compiled 30"),
+    (["--backends", "bmm", "--mode", "train"], "train B=4 G=2 3x2", "bmm 30"),
+], ids=["compiled", "eager"])
+def test_bench_names_the_steps_that_page_fault(extra, point, step, capsys, monkeypatch, tmp_path):
     # A fake fault counter: every step "faults" 30 pages a call, at or above FAULTS_NOTED.
     from blockdiag.tuning import _timer
 
     count = iter(range(0, 10**9, 30))
     monkeypatch.setattr(_timer, "_minor_faults", lambda: next(count))
     assert tuning.FAULTS_NOTED <= 30
-    assert main(["bench", "--batch", "4", "--groups", "2", "--blocks", "3x2", "--repeat", "1", "--min-time", "0",
-                 "--compiled", "linear", "--compiler", "aot_eager", "--no-baselines"]) == 0
+    out = tmp_path / "b.json"
+    # Two rounds: a step's first sample can be its calibration run, timed but not counted.
+    assert main(["bench", "--batch", "4", "--groups", "2", "--blocks", "3x2", "--repeat", "2", "--min-time", "0",
+                 "--no-baselines", "--no-memory", *extra, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     line = [ln for ln in printed.splitlines() if ln.startswith("page faults per step:")]
-    assert line and line[0].startswith("page faults per step: train linear B=4 G=2 3x2: auto ")
-    assert "auto_compiled " in line[0] and "see docs/faq.md" in line[0]
+    assert len(line) == 1 and line[0].startswith(f"page faults per step: {point}: ")
+    assert "auto 30" in line[0] and step in line[0] and line[0].endswith("(fresh pages from the allocator every step: see docs/faq.md)")
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["faults_per_step"]["auto"] == 30.0
 
 
 def test_bench_compiled_rejects_unknown_models(capsys):

@@ -83,7 +83,8 @@ def bench(
             backend was timed), ``auto_kernel_us`` (the chosen backend's bare kernel, no
             dispatch) and ``auto_over_kernel``, ``ideal_us``,
             ``fraction_of_ideal`` (ideal time over auto's), ``baselines_us``,
-            ``peak_bytes``, ``skipped`` (name -> reason), ``table`` (the source of auto's plan)
+            ``peak_bytes``, ``faults_per_step`` (every step's minor page faults per call,
+            where the platform counts them; see :data:`FAULTS_NOTED`), ``skipped`` (name -> reason), ``table`` (the source of auto's plan)
             and, where that is a tuning profile, ``builtin_choice`` (what the built-in table
             would have chosen: :func:`~blockdiag.dispatch.builtin_plan`).
     """
@@ -123,8 +124,9 @@ def bench(
         # choice, the nn.Linear loop over auto) are where one burst of noise would decide
         # a verdict; those steps get the extra rounds, at every point alike.
         also = ("auto", "auto_kernel", choice, "nn_linear_loop") + ((builtin,) if builtin else ())
+        faults: dict[str, float] = {}
         times, failed = _tuning.measure(steps, device, rounds, min_time, keep=extra, stat=stat, refine=refine,
-                                refine_also=also)
+                                        refine_also=also, faults=faults)
         if "auto" in failed or "ideal" in failed:
             raise BlockDiagError(f"bench: {p.describe()}: auto or the ideal GEMM failed: {failed}")
         bt = {n: t for n, t in times.items() if n not in extra}
@@ -145,6 +147,8 @@ def bench(
         )
         if choice in bt:
             row["auto_over_choice"] = round(times["auto"] / bt[choice], 4)
+        if faults:
+            row["faults_per_step"] = {n: round(v, 1) for n, v in faults.items()}
         if builtin:
             row["builtin_choice"] = builtin
         if memory:
@@ -249,7 +253,7 @@ COMPILED_TARGETS = {
     "max_compiled_over_best_peer": 1.0,
 }
 
-# ``bench --compiled`` names the points where a timed step page-faults at least this many
+# ``bench`` (eager and compiled) names the points where a timed step page-faults at least this many
 # times per call: 40 KB of fresh pages a step, already more than a warm step's own work
 # asks of an allocator that keeps what it frees. Above it the step pays for the allocator
 # handing it new memory every call (docs/faq.md), which can decide a comparison.
