@@ -513,7 +513,8 @@ def bench_compiled_markdown(name: str) -> str:
     from blockdiag.tuning import FAULTS_NOTED
 
     faulting = []
-    for r in d.get("rows", []):
+    order = ("mode", "model", "batch", "groups", "block_in", "block_out")
+    for r in sorted(d.get("rows", []), key=lambda r: tuple(r.get(k, "") for k in order)):
         many = {k: v for k, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
         if many:
             ratio = r.get("compiled_over_best_peer", {}).get("auto")

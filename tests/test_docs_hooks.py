@@ -48,3 +48,30 @@ def test_the_heads_results_render_both_tables(hooks):
     text = hooks.mlp_heads_markdown("mlp-heads-strategy-avx512.json")
     assert "**Before the rule** (blockdiag at `f725cd0d00`" in text and "**With the rule**" in text
     assert text.count("| 2048 | 16 | 256x256 |") == 2
+
+
+def test_the_compiled_results_render_the_control_and_the_faulting_points(hooks):
+    # The Performance page's Intel compiled grid: the control's column, and the points where a
+    # timed step page-faulted FAULTS_NOTED times a call or more, with their figures.
+    import json
+
+    from blockdiag.tuning import FAULTS_NOTED
+
+    name = "bench-compiled-cpu-avx512.json"
+    assert f"<!-- bench-compiled: {name} -->" in (ROOT / "docs" / "performance.md").read_text()
+    doc = json.loads((ROOT / "docs" / "results" / name).read_text())
+    text = hooks.bench_compiled_markdown(name)
+    all_ = doc["summary"]["train"]["all"]
+    assert f"| train | all | 66 | {all_['geomean_compiled_over_eager']:.2f} " in text
+    assert f"| {all_['geomean_control_compiled_over_eager']:.2f} |" in text
+    faulting = [r for r in doc["rows"] if any(v >= FAULTS_NOTED for v in r.get("faults_per_step", {}).values())]
+    assert faulting and text.count(" page faults per step ") == 1
+    for r in faulting:
+        point = f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} |"
+        assert point in text
+        worst = max(r["faults_per_step"], key=r["faults_per_step"].get)
+        assert f"`{worst}` {r['faults_per_step'][worst]:g}" in text
+    quiet = [r for r in doc["rows"] if r not in faulting]
+    assert quiet and all(
+        f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} |" not in text
+        for r in quiet)
