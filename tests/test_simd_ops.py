@@ -295,3 +295,56 @@ def test_through_ctypes_runs_the_wrappers_and_keeps_the_ops_armed(native):
             grouped_linear(x, w, None, backend="simd")
         assert "blockdiag::simd_native" not in [e.name for e in prof.events()]
     assert _simd_ops.ops(torch.float32) is native
+
+
+def _large_operands(kind: str, n: int, g: int, i: int, o: int):
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(g, o, i, generator=gen)
+    gy = torch.randn(n, g * o, generator=gen)
+    if kind == "contiguous":
+        x = torch.randn(n, g * i, generator=gen)
+    elif kind == "column slice":
+        x = torch.randn(n, g * i + 5, generator=gen)[:, 3 : 3 + g * i]
+        gy = torch.randn(n, g * o + 2, generator=gen)[:, 1 : 1 + g * o]
+    elif kind == "column-major":
+        x = torch.randn(g * i, n, generator=gen).t()
+    else:
+        x = torch.randn(1, g * i, generator=gen).expand(n, g * i)
+        gy = torch.tensor(0.5).expand(n, g * o)
+    return x, w, gy
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "column slice", "column-major", "one row broadcast"])
+def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
+    # At blocks of BLAS_GRADS_MIN_BLOCK elements or more, simd's gradients are the loop
+    # backend's BLAS products, bitwise, through the ops and through ctypes alike; one element
+    # fewer and they are simd's kernels'. The two bias gradients (a sum, and the kernel's
+    # running sums) differ in the last bits here, so the test tells the two apart; the
+    # products agree bitwise (both add the same terms in the same order).
+    from blockdiag.backends.loop import _backward as blas
+
+    assert _simd_ops.BLAS_GRADS_MIN_BLOCK == 256 * 256
+    for (i, o), large in (((256, 256), True), ((255, 257), False)):
+        assert (i * o >= _simd_ops.BLAS_GRADS_MIN_BLOCK) is large
+        x, w, gy = _large_operands(kind, 37, 2, i, o)
+        cx, cgy = simd._cols(x), simd._cols(gy)
+        by_blas = blas(cgy, cx, w, True, True, True)
+        by_kernels = (simd._grad_input(cgy, w), *simd._grad_weight(cgy, cx, w.shape, True))
+        if kind != "one row broadcast":  # a broadcast gradient sums equal terms: the same in any order
+            assert not torch.equal(by_blas[2], by_kernels[2])
+        want = by_blas if large else by_kernels
+        for got in (native.backward(gy, x, w, True, True, True),
+                    _through_ctypes(simd._kernel_backward, gy, x, w, True, True, True)):
+            for name, a, c in zip(("input", "weight", "bias"), got, want):
+                assert torch.equal(a, c), (name, i, o)
+        # The float64 loop reference, within float32's rounding.
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        bd = torch.zeros(2 * o, dtype=torch.float64, requires_grad=True)
+        ref = torch.autograd.grad(reference_loop(xd, wd, bd), (xd, wd, bd), gy.double())
+        for a, r in zip(want, ref):
+            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-3)
+        # Each gradient asked for alone.
+        gx, gw, gb = native.backward(gy, x, w, False, True, False)
+        assert torch.equal(gx, want[0]) and gw.numel() == 0 and gb.numel() == 0
+        gx, gw, gb = native.backward(gy, x, w, True, False, True)
+        assert gx.numel() == 0 and torch.equal(gw, want[1]) and torch.equal(gb, want[2])

@@ -51,6 +51,16 @@ __all__ = ["NativeOps", "arm", "disarm", "note", "ops", "through_ctypes"]
 _SOURCE = "_simd_ops.cpp"
 _ABI = 1
 _FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
+
+# simd's gradients at blocks of this many elements (``in * out``) or more are torch's BLAS
+# products instead of simd's kernels, in both routes (passed to _simd_ops.cpp at build time;
+# simd.py's ctypes path reads it here): the input gradient one ``mm`` per group written into
+# its slice, the weight gradient one ``bmm`` of strided views, the bias gradient a ``sum``,
+# as the ``loop`` backend computes them. The kernels' register tiles stream the weight
+# gradient's operands from cache row by row; at large blocks BLAS's packed panels were faster
+# (scripts/bench_simd_blas_grads.py; docs/results/simd-blas-grads-avx512.json). The forward
+# stays simd's at every size.
+BLAS_GRADS_MIN_BLOCK = 256 * 256
 _PREFIX = "torchops-simd-"
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 _LOCK = threading.Lock()
@@ -73,7 +83,8 @@ def _torch_paths() -> tuple[list, Path]:
 def _command(cxx: str, out: Path, source: Path) -> list:
     includes, libdir = _torch_paths()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), "-o", str(out),
+    return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DBD_BLAS_GRADS_MIN_BLOCK={BLAS_GRADS_MIN_BLOCK}",
+            *(f"-I{p}" for p in includes), "-o", str(out),
             "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
 
 

@@ -17,6 +17,9 @@ block-diagonal product itself (``_simd.c`` and ``_simd_body.h`` beside this modu
   leading dimension, so a column slice of a wider tensor costs no copy);
 - the weight gradient walks the rows in short blocks and carries the bias gradient in
   the same pass;
+- at blocks of ``_simd_ops.BLAS_GRADS_MIN_BLOCK`` elements (256x256) or more the gradients
+  are torch's BLAS products instead (the ``loop`` backend's backward): there BLAS's packed
+  panels beat the kernels' register tiles, which stream the operands row by row;
 - the work is spread over torch's threads with OpenMP.
 
 Three variants of the one kernel body, one per instruction set (``_simd.c``'s macro sets):
@@ -109,6 +112,7 @@ from ..ops import OpEntry, define
 from . import _simd_ops
 from ._native import check_stored
 from .bmm import _fm_backward, bmm_fm_forward
+from .loop import _backward as _blas_backward
 
 # Bumped with _simd.c's bd_abi_version() whenever an exported signature or return convention
 # changes. 2: every entry point checks its arguments and returns a code (see _simd.c).
@@ -759,6 +763,8 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
             pass  # refused: the ctypes wrappers copy or resolve the operands, or say precisely why not
     weight = weight.contiguous()
     gy = _cols(gy)
+    if weight.shape[1] * weight.shape[2] >= _simd_ops.BLAS_GRADS_MIN_BLOCK:
+        return _blas_backward(gy, _cols(x), weight, has_bias, need_x, need_w)
     gx = _grad_input(gy, weight) if need_x else None
     gw = gb = None
     if need_w:

@@ -84,8 +84,8 @@ def bench(
             dispatch) and ``auto_over_kernel``, ``ideal_us``,
             ``fraction_of_ideal`` (ideal time over auto's), ``baselines_us``,
             ``peak_bytes``, ``faults_per_step`` (every step's minor page faults per call,
-            where the platform counts them; see :data:`FAULTS_NOTED`), ``skipped`` (name -> reason), ``table`` (the source of auto's plan)
-            and, where that is a tuning profile, ``builtin_choice`` (what the built-in table
+            where the platform counts them; see :data:`FAULTS_NOTED`), ``skipped`` (name ->
+            reason), ``table`` (the source of auto's plan) and, where that is a tuning profile, ``builtin_choice`` (what the built-in table
             would have chosen: :func:`~blockdiag.dispatch.builtin_plan`).
     """
     from ..dispatch import builtin_plan, choose
@@ -253,10 +253,10 @@ COMPILED_TARGETS = {
     "max_compiled_over_best_peer": 1.0,
 }
 
-# ``bench`` (eager and compiled) names the points where a timed step page-faults at least this many
-# times per call: 40 KB of fresh pages a step, already more than a warm step's own work
-# asks of an allocator that keeps what it frees. Above it the step pays for the allocator
-# handing it new memory every call (docs/faq.md), which can decide a comparison.
+# ``bench`` (eager and compiled) names the points where a timed step page-faults at least
+# this many times a call: 40 KB of fresh pages a step, where an allocator that keeps what
+# the step freed needs none. Above it the step pays for new memory every call (docs/faq.md),
+# which can decide a comparison.
 FAULTS_NOTED = 10
 
 # How far a compiled module's output and gradients may be from the same module's eager ones,
@@ -449,8 +449,8 @@ def bench_compiled(
     At each point and model (:data:`COMPILED_MODELS`), dynamo is reset (so no recompile
     limit is ever reached across points), then each module is built with the same weights
     (blockdiag with ``auto`` and with each of ``backends`` forced, the loop of heads, vmap
-    ensembling; and :data:`COMPILED_CONTROL`, plain layers of the same work), run once eager as the reference, compiled (``torch.compile(module,
-    dynamic=dynamic)``) and run twice: the first call compiles the forward and backward
+    ensembling; and :data:`COMPILED_CONTROL`, plain layers of the same work), run once eager
+    as the reference, compiled (``torch.compile(module, dynamic=dynamic)``) and run twice: the first call compiles the forward and backward
     graphs, and its results must match the eager ones (:data:`_COMPILED_RTOL`). Compile
     time is recorded, not timed. Then every module, eager and compiled (the peers too: their
     compiled over eager time is torch.compile's own on the same computation), is timed in
@@ -484,7 +484,7 @@ def bench_compiled(
 
     Returns:
         one dict per point, model and mode: ``times_us`` (``auto``, each forced backend,
-            the peers ``loop`` and ``vmap``, the control, and ``<name>_compiled`` for each of those),
+            the peers ``loop`` and ``vmap``, the control, and ``<name>_compiled`` for each),
             ``compile_s``, ``graphs`` and ``graph_breaks`` (per compiled step, from its first
             two calls), ``failed`` (step -> error), ``auto`` (GroupedLinear's choice, eager),
             ``best_peer``, ``compiled_over_eager`` and ``compiled_over_best_peer`` (per

@@ -1,0 +1,104 @@
+"""``simd``'s gradient kernels against torch's BLAS products of the same gradients.
+
+``simd`` computes its gradients with its own kernels below ``BLAS_GRADS_MIN_BLOCK``
+(``blockdiag/backends/_simd_ops.py``) and with torch's BLAS products at blocks that large
+or larger: the input gradient one ``mm`` per group written into its slice, the weight
+gradient one ``bmm`` of strided views, the bias gradient a ``sum`` (the ``loop`` backend's
+backward). This script times both on the same operands at each point, the input gradient
+and the weight and bias gradients apart, in interleaved rounds, the median kept; BLAS over
+kernels per point (below 1: BLAS is faster). The rule rests on it.
+
+    OMP_NUM_THREADS=1 python scripts/bench_simd_blas_grads.py [--rounds 11] [--json docs/results/simd-blas-grads-avx512.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import timeit
+
+import torch
+
+from blockdiag import grouped_linear
+from blockdiag.backends import _simd_ops, get, simd
+from blockdiag.backends.loop import _backward as blas_backward
+from blockdiag.cli import _provenance
+from blockdiag.profile import device_name
+
+BATCHES = (32, 256, 2048)
+GROUPS = (4, 16)
+BLOCKS = ((64, 64), (128, 128), (64, 256), (256, 64), (256, 256), (512, 512))
+# The largest problems are left out (B=2048 G=16 512x512 is minutes per point on 2 cores).
+MAX_MACS = 2048 * 16 * 256 * 256 // 4
+
+
+def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds: int, min_time: float) -> dict:
+    """One point's row: the median time of each gradient by each method, in microseconds."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, groups * i, generator=gen, dtype=dtype)
+    w = torch.randn(groups, o, i, generator=gen, dtype=dtype)
+    gy = torch.randn(batch, groups * o, generator=gen, dtype=dtype)
+    steps = {
+        "input_kernels": lambda: simd._grad_input(gy, w),
+        "input_blas": lambda: blas_backward(gy, x, w, False, True, False),
+        "weight_kernels": lambda: simd._grad_weight(gy, x, w.shape, True),
+        "weight_blas": lambda: blas_backward(gy, x, w, True, False, True),
+    }
+    numbers = {}
+    for name, fn in steps.items():  # warm up, and size each sample
+        fn()
+        once = min(timeit.repeat(fn, number=1, repeat=3))
+        numbers[name] = max(1, int(min_time / max(once, 1e-7)))
+    times: dict = {k: [] for k in steps}
+    order = list(steps.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            n = numbers[name]
+            times[name].append(min(timeit.repeat(fn, number=n, repeat=2)) / n * 1e6)
+    med = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    return {"batch": batch, "groups": groups, "block_in": i, "block_out": o, "times_us": med,
+            **{f"{g}_blas_over_kernels": round(med[f"{g}_blas"] / med[f"{g}_kernels"], 4) for g in ("input", "weight")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--min-time", type=float, default=0.01, help="seconds each sample lasts at least")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    ap.add_argument("--batch", type=lambda s: tuple(map(int, s.split(","))), default=BATCHES)
+    ap.add_argument("--groups", type=lambda s: tuple(map(int, s.split(","))), default=GROUPS)
+    ap.add_argument("--blocks", type=lambda s: tuple(tuple(map(int, b.split("x"))) for b in s.split(",")), default=BLOCKS)
+    ap.add_argument("--json", help="write the rows and how they were measured here")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    why = get("simd").unavailable_reason()
+    if why is not None:
+        print(f"bench_simd_blas_grads: simd is unavailable here: {why}", file=sys.stderr)
+        return 2
+    grouped_linear(torch.randn(2, 4, dtype=dtype), torch.randn(2, 2, 2, dtype=dtype), backend="simd")  # loads it
+    rows = []
+    for bsz in args.batch:
+        for g in args.groups:
+            for i, o in args.blocks:
+                if bsz * g * i * o > MAX_MACS:
+                    continue
+                row = measure(bsz, g, i, o, dtype, args.rounds, args.min_time)
+                rows.append(row)
+                print(f"B={bsz} G={g} {i}x{o}: BLAS/kernels {row['input_blas_over_kernels']:.2f} input gradient, "
+                      f"{row['weight_blas_over_kernels']:.2f} weight and bias", flush=True)
+    doc = {"what": "simd's gradient kernels (through ctypes) against torch's BLAS products of the same gradients "
+                   "(the loop backend's backward), on the same operands; medians of interleaved rounds",
+           "command": "python scripts/bench_simd_blas_grads.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "device_name": device_name("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "dtype": args.dtype, "rounds": args.rounds, "blas_grads_min_block": _simd_ops.BLAS_GRADS_MIN_BLOCK,
+           "simd_variant": simd.variant(), **_provenance(), "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
