@@ -754,6 +754,39 @@ def simd_ops_markdown(name: str) -> str:
     return "\n".join(out)
 
 
+def simd_blas_grads_markdown(name: str) -> str:
+    """``scripts/bench_simd_blas_grads.py``'s rows: simd's gradient kernels against torch's BLAS."""
+    d = _load(name)
+    least = d["blas_grads_min_block"]
+    out = [
+        _script_preamble(d, name, f", {d.get('dtype', '?')}, `{d.get('simd_variant', '?')}` kernels, blockdiag at "
+                                  f"`{str(d.get('commit', '?'))[:10]}`"),
+        "",
+        (f"Times in µs; *BLAS / kernels* below 1: BLAS is faster. *simd runs*: what simd computes the gradients "
+         f"with at that block (BLAS from {least} elements, `BLAS_GRADS_MIN_BLOCK`)."),
+        "",
+        "| batch | groups | block | input gradient: kernels | BLAS | BLAS / kernels | weight and bias: kernels | "
+        "BLAS | BLAS / kernels | simd runs |",
+        "|---" * 10 + "|",
+    ]
+    for r in d["rows"]:
+        t = r["times_us"]
+        runs = "BLAS" if r["block_in"] * r["block_out"] >= least else "kernels"
+        out.append(f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | {t['input_kernels']:.0f} | "
+                   f"{t['input_blas']:.0f} | {r['input_blas_over_kernels']:.2f} | {t['weight_kernels']:.0f} | "
+                   f"{t['weight_blas']:.0f} | {r['weight_blas_over_kernels']:.2f} | {runs} |")
+    out += ["", "| blocks | points | input gradient: BLAS / kernels, geometric mean | weight and bias: "
+                "BLAS / kernels, geometric mean |", "|---|---|---|---|"]
+    for label, large in ((f"{least} elements or more", True), (f"under {least} elements", False)):
+        rs = [r for r in d["rows"] if (r["block_in"] * r["block_out"] >= least) is large]
+        if rs:
+            gi = math.exp(sum(math.log(r["input_blas_over_kernels"]) for r in rs) / len(rs))
+            gw = math.exp(sum(math.log(r["weight_blas_over_kernels"]) for r in rs) / len(rs))
+            out.append(f"| {label} | {len(rs)} | {gi:.2f} | {gw:.2f} |")
+    out.append("")
+    return "\n".join(out)
+
+
 def asv_time_noise_markdown(name: str) -> str:
     """Three asv runs of unchanged code: how far each time benchmark family moved."""
     d = _load(name)
@@ -919,6 +952,7 @@ _FILE_MARKERS = {
     "mlp-traced": mlp_traced_markdown,
     "mlp-heads": mlp_heads_markdown,
     "simd-ops": simd_ops_markdown,
+    "simd-blas-grads": simd_blas_grads_markdown,
     "asv-time-noise": asv_time_noise_markdown,
     "asv-history": asv_history_markdown,
     "asv-stability": asv_stability_markdown,

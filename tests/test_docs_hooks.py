@@ -75,3 +75,19 @@ def test_the_compiled_results_render_the_control_and_the_faulting_points(hooks):
     assert quiet and all(
         f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} |" not in text
         for r in quiet)
+
+
+def test_the_simd_blas_grads_results_render_every_row(hooks):
+    import json
+
+    name = "simd-blas-grads-avx512.json"
+    assert f"<!-- simd-blas-grads: {name} -->" in (ROOT / "docs" / "performance.md").read_text()
+    doc = json.loads((ROOT / "docs" / "results" / name).read_text())
+    text = hooks.simd_blas_grads_markdown(name)
+    least = doc["blas_grads_min_block"]
+    for r in doc["rows"]:
+        runs = "BLAS" if r["block_in"] * r["block_out"] >= least else "kernels"
+        assert (f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | "
+                f"{r['times_us']['input_kernels']:.0f} |") in text
+        assert f"| {r['weight_blas_over_kernels']:.2f} | {runs} |" in text
+    assert f"| {least} elements or more | " in text and f"| under {least} elements | " in text

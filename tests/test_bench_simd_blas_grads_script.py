@@ -1,0 +1,23 @@
+"""``scripts/bench_simd_blas_grads.py`` (simd's gradient kernels against torch's BLAS) runs end to end.
+
+A smoke test only: no timing is asserted (the figures are in
+docs/results/simd-blas-grads-avx512.json, measured by the script itself).
+"""
+
+import pytest
+from _params import tiny_script_run
+
+from blockdiag.backends import _simd_ops, get
+
+
+@pytest.mark.skipif(get("simd").unavailable_reason() is not None, reason="simd unavailable here")
+def test_bench_simd_blas_grads_tiny_run_writes_its_json(tmp_path):
+    d = tiny_script_run("bench_simd_blas_grads.py", tmp_path)
+    (row,) = d["rows"]
+    assert (row["batch"], row["groups"], row["block_in"], row["block_out"]) == (8, 3, 4, 2)
+    assert set(row["times_us"]) == {"input_kernels", "input_blas", "weight_kernels", "weight_blas"}
+    assert all(v > 0 for v in row["times_us"].values())
+    t = row["times_us"]
+    assert row["weight_blas_over_kernels"] == pytest.approx(t["weight_blas"] / t["weight_kernels"], rel=1e-2)
+    assert d["blas_grads_min_block"] == _simd_ops.BLAS_GRADS_MIN_BLOCK
+    assert d["command"].startswith("python scripts/bench_simd_blas_grads.py --batch 8")
