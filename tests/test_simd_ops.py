@@ -117,11 +117,14 @@ def test_the_ops_match_the_float64_loop_reference(native, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck(native, dtype, bias):
+@pytest.mark.parametrize("block", [(4, 5), (256, 256)], ids=["kernels", "blas-gradients"])
+def test_opcheck(native, dtype, bias, block):
     # Schema, fake kernels and dynamic shapes; no autograd test: these ops run below autograd.
-    x, w = torch.randn(6, 12, dtype=dtype), torch.randn(3, 5, 4, dtype=dtype)
-    b = torch.randn(15, dtype=dtype) if bias else None
-    gy = torch.randn(6, 15, dtype=dtype)
+    # At 256x256 blocks the backward takes its BLAS branch (BLAS_GRADS_MIN_BLOCK).
+    (i, o), g = block, 3 if block == (4, 5) else 1
+    x, w = torch.randn(6, g * i, dtype=dtype), torch.randn(g, o, i, dtype=dtype)
+    b = torch.randn(g * o, dtype=dtype) if bias else None
+    gy = torch.randn(6, g * o, dtype=dtype)
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(native.forward, (x, w, b), test_utils=tests)
     for need in [(True, True), (True, False), (False, True)]:
