@@ -780,8 +780,8 @@ def simd_blas_grads_markdown(name: str) -> str:
     for label, large in ((f"{least} elements or more", True), (f"under {least} elements", False)):
         rs = [r for r in d["rows"] if (r["block_in"] * r["block_out"] >= least) is large]
         if rs:
-            gi = math.exp(sum(math.log(r["input_blas_over_kernels"]) for r in rs) / len(rs))
-            gw = math.exp(sum(math.log(r["weight_blas_over_kernels"]) for r in rs) / len(rs))
+            gi = _geomean([r["input_blas_over_kernels"] for r in rs])
+            gw = _geomean([r["weight_blas_over_kernels"] for r in rs])
             out.append(f"| {label} | {len(rs)} | {gi:.2f} | {gw:.2f} |")
     out.append("")
     return "\n".join(out)

@@ -6,7 +6,7 @@ or larger: the input gradient one ``mm`` per group written into its slice, the w
 gradient one ``bmm`` of strided views, the bias gradient a ``sum`` (the ``loop`` backend's
 backward). This script times both on the same operands at each point, the input gradient
 and the weight and bias gradients apart, in interleaved rounds, the median kept; BLAS over
-kernels per point (below 1: BLAS is faster). The rule rests on it.
+kernels per point (below 1: BLAS is faster), timed by ``blockdiag.tuning.measure``. The rule rests on it.
 
     OMP_NUM_THREADS=1 python scripts/bench_simd_blas_grads.py [--rounds 11] [--json docs/results/simd-blas-grads-avx512.json]
 """
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import timeit
 
 import torch
 
-from blockdiag import grouped_linear
+from blockdiag import grouped_linear, tuning
 from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.backends.loop import _backward as blas_backward
 from blockdiag.cli import _blocks, _int_list, _provenance
@@ -46,18 +44,11 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
         "weight_kernels": lambda: simd._grad_weight(gy, x, w.shape, True),
         "weight_blas": lambda: blas_backward(gy, x, w, True, False, True),
     }
-    numbers = {}
-    for name, fn in steps.items():  # warm up, and size each sample
-        fn()
-        once = min(timeit.repeat(fn, number=1, repeat=3))
-        numbers[name] = max(1, int(min_time / max(once, 1e-7)))
-    times: dict = {k: [] for k in steps}
-    order = list(steps.items())
-    for r in range(rounds):
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            n = numbers[name]
-            times[name].append(min(timeit.repeat(fn, number=n, repeat=2)) / n * 1e6)
-    med = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    # bench's timer: warm-up, calibrated samples, interleaved rounds, medians; nothing pruned.
+    times, failed = tuning.measure(steps, "cpu", rounds, min_time, prune=0.0)
+    if failed:
+        raise RuntimeError(f"bench_simd_blas_grads: B={batch} G={groups} {i}x{o}: {failed}")
+    med = {k: round(t * 1e6, 2) for k, t in times.items()}
     return {"batch": batch, "groups": groups, "block_in": i, "block_out": o, "times_us": med,
             **{f"{g}_blas_over_kernels": round(med[f"{g}_blas"] / med[f"{g}_kernels"], 4) for g in ("input", "weight")}}
 
