@@ -205,6 +205,9 @@ COMPILED_SUMMARY = (
     ("max_compiled_over_best_peer", "compiled over the fastest compiled peer, worst", "{:.3f}"),
     ("worst_point_compiled_over_best_peer", "  at", "{}"),
     ("slower_than_best_peer", "points slower than the fastest compiled peer", "{}"),
+    ("slower_than_best_peer_beyond_noise", "  of which slower beyond the rounds' noise (interval above 1)", "{}"),
+    ("tied_with_best_peer", "points tied with the fastest compiled peer (interval holding 1)", "{}"),
+    ("points_with_interval", "points with an interval (paired rounds)", "{}"),
 )
 
 

@@ -592,6 +592,21 @@ def _print_faults(rows) -> None:
                   + " (fresh pages from the allocator every step: see docs/faq.md)")
 
 
+def _print_slower_points(rows: Sequence[dict], names: Sequence[str]) -> None:
+    """Each point where a compiled blockdiag module's median is slower than the best compiled
+    peer's, with the interval of its round-by-round ratio: a tie or slower beyond the noise."""
+    for r in rows:
+        for n in names:
+            v = r.get("compiled_over_best_peer", {}).get(n)
+            if v is None or v <= 1.0:
+                continue
+            iv = r.get("compiled_over_best_peer_interval", {}).get(n)
+            verdict = ("no interval (too few rounds)" if iv is None else
+                       f"interval {iv[0]:.3f}-{iv[1]:.3f}: " + ("slower beyond the noise" if iv[0] > 1.0 else "a tie"))
+            print(f"slower than {r['best_peer']}: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} "
+                  f"{r['block_in']}x{r['block_out']} {n} {v:.3f}, {verdict}")
+
+
 def _bench_compiled(args, grid, modes) -> int:
     """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
     from . import profile as prof
@@ -649,10 +664,12 @@ def _bench_compiled(args, grid, modes) -> int:
             print(f"failed: {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} "
                   f"{c}: {why}")
     _print_faults(rows)
+    _print_slower_points(rows, bd)
     summary = summarize_compiled(rows)
     for mode, per in summary.items():
         for key, s in per.items():
-            print(fmt.summary_lines(f"{mode} {key}", s, fmt.COMPILED_SUMMARY, skip=("targets_met",)))
+            print(fmt.summary_lines(f"{mode} {key}", s, fmt.COMPILED_SUMMARY,
+                                    skip=("targets_met", "slower_beyond_noise_points")))
             if "targets_met" in s:
                 met = s["targets_met"]
                 print("  issue 21's targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))

@@ -496,7 +496,8 @@ def bench_compiled_markdown(name: str) -> str:
     out.append("| mode | model | points | compiled over eager: geometric mean (worst) | "
                "the peers' compiled over eager: loop, vmap (geometric means) | "
                "the control's compiled over eager (geometric mean) | "
-               "compiled over the best compiled peer: geometric mean (worst) | points slower than that peer |")
+               "compiled over the best compiled peer: geometric mean (worst) | "
+               "points slower than that peer (of which beyond the noise) |")
     out.append("|---|---|---|---|---|---|---|---|")
     for mode, models in d.get("summary", {}).items():
         for model, s in models.items():
@@ -507,13 +508,34 @@ def bench_compiled_markdown(name: str) -> str:
                 f"{_fmt(s.get('geomean_vmap_compiled_over_eager'), '.2f')} | "
                 f"{_fmt(s.get('geomean_control_compiled_over_eager'), '.2f')} | "
                 f"{_fmt(s.get('geomean_compiled_over_best_peer'), '.2f')} "
-                f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')} |"
+                f"({_fmt(s.get('max_compiled_over_best_peer'), '.2f')}) | {s.get('slower_than_best_peer')}"
+                + (f" ({s['slower_than_best_peer_beyond_noise']})" if "slower_than_best_peer_beyond_noise" in s else "")
+                + " |"
             )
     out.append("")
     from blockdiag.tuning import FAULTS_NOTED
 
-    faulting = []
     order = ("mode", "model", "batch", "groups", "block_in", "block_out")
+    slower = []
+    for r in sorted(d.get("rows", []), key=lambda r: tuple(r.get(k, "") for k in order)):
+        v = r.get("compiled_over_best_peer", {}).get("auto")
+        if v is None or v <= 1.0:
+            continue
+        iv = r.get("compiled_over_best_peer_interval", {}).get("auto")
+        verdict = "-" if iv is None else "slower beyond the noise" if iv[0] > 1.0 else "a tie"
+        slower.append(f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} | "
+                      f"`{r.get('best_peer')}` | {v:.3f} | "
+                      + ("-" if iv is None else f"{iv[0]:.3f} to {iv[1]:.3f}") + f" | {verdict} |")
+    if slower:
+        out.append("Points where compiled blockdiag's median is slower than the best compiled peer's, with the "
+                   "interval of the round-by-round ratio (a distribution-free 95% interval for its median, over "
+                   "rounds that sample both moments apart; [Tuning](tuning.md#tune-explain-bench)):\n")
+        out.append("| point | best compiled peer | compiled over that peer | interval | verdict |")
+        out.append("|---|---|---|---|---|")
+        out.extend(slower)
+        out.append("")
+
+    faulting = []
     for r in sorted(d.get("rows", []), key=lambda r: tuple(r.get(k, "") for k in order)):
         many = {k: v for k, v in r.get("faults_per_step", {}).items() if v >= FAULTS_NOTED}
         if many:

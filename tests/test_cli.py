@@ -1,6 +1,10 @@
 """The command line: tune / explain / bench on tiny grids (no timings are asserted)."""
 
 import json
+import math
+import random
+import re
+import statistics
 import subprocess
 import sys
 
@@ -186,6 +190,58 @@ def test_measure_counts_page_faults_per_call():
     # Fault-around or huge pages can map a few pages per fault, never none.
     assert faults["fresh"] >= pages / 16 and faults["same"] < 1
     assert measure({"same": same_pages}, "cpu", rounds=1, min_time=0.0)[0].keys() == {"same"}  # faults optional
+
+
+def test_measure_hands_back_every_sample_in_round_order():
+    # Steps tied within refine (and the refine_also ones) get as many rounds again; a step
+    # pruned after two rounds keeps its two samples; index r is round r for every step.
+    def slow():
+        sum(range(200000))
+
+    per_round: dict = {}
+    times, _ = measure({"a": lambda: None, "b": lambda: None, "slow": slow}, "cpu", rounds=4, min_time=0.0,
+                       prune=3.0, refine=0.5, refine_also=("a",), per_round=per_round)
+    assert set(per_round) == {"a", "b", "slow"}
+    assert len(per_round["slow"]) == 2 and len(per_round["a"]) == 8
+    for name, t in times.items():
+        assert t == statistics.median(per_round[name])
+    assert all(v > 0 for vs in per_round.values() for v in vs)
+
+
+@pytest.mark.parametrize("n", range(1, 41))
+def test_median_interval_is_the_sign_tests_widest_rank_at_the_level(n):
+    # Coverage of (x_(j), x_(n+1-j)) for the median of any continuous distribution is
+    # 1 - 2 P(Binomial(n, 1/2) <= j - 1); the interval is the narrowest with >= 95%.
+    from blockdiag.tuning import median_interval
+
+    def coverage(j):
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
+
+    values = [float(v) for v in random.Random(n).sample(range(1000), n)]
+    ranked = sorted(values)
+    got = median_interval(values)
+    ok = [j for j in range(1, n // 2 + 1) if coverage(j) >= 0.95]
+    if not ok:
+        assert got is None and n < 6
+    else:
+        j = max(ok)
+        assert got == (ranked[j - 1], ranked[n - j])
+    assert median_interval(values, level=0.5) is not None or n == 1
+
+
+def test_median_interval_ignores_one_stall_and_checks_its_level():
+    from blockdiag import BlockDiagError
+    from blockdiag.tuning import median_interval
+
+    ratios = [1.01, 0.99, 1.02, 1.00, 0.98, 1.03, 1.00, 0.97, 1.01, 1.04]
+    base = median_interval(ratios)
+    assert base == (0.98, 1.03)
+    # One sample stalled 100x (a page-in, another job) widens a normal interval past any
+    # verdict; it moves this one to the next order statistic at most.
+    assert median_interval(ratios[:-1] + [104.0]) == (0.98, 1.03)
+    for level in (0.0, 1.0, -0.5, 95):
+        with pytest.raises(BlockDiagError, match=rf"median_interval: level must be in \(0, 1\), got {level!r}"):
+            median_interval(ratios, level=level)
 
 
 def test_measure_records_exceptions_of_any_type():
@@ -638,6 +694,39 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     assert set(s["all"]["targets_met"]) == {
         "geomean_compiled_over_eager<=1.02", "geomean_speedup_over_best_peer>=1.25",
         "slower_than_no_compiled_peer", "compiled_everywhere"}
+
+
+def test_bench_compiled_judges_each_slower_point_by_its_paired_rounds(tmp_path, capsys, monkeypatch):
+    # A scripted timer: at G=2 compiled blockdiag is 4-7% slower than the compiled loop in
+    # every round (slower beyond the noise); at G=3 its median is 2% slower but rounds go
+    # either way (a tie). The vmap peer is slower than both everywhere.
+    auto_c = iter([[105, 106, 104, 105, 107, 105, 104, 106, 105, 105],
+                   [97, 103, 104, 99, 102, 101, 98, 103, 104, 102]])
+
+    def fake(steps, device, rounds, min_time, per_round=None, **kw):
+        taken = {n: [100.0] * 10 for n in steps}
+        taken["vmap_compiled"] = [200.0] * 10
+        taken["auto_compiled"] = [float(v) for v in next(auto_c)]
+        if per_round is not None:
+            per_round.update(taken)
+        return {n: statistics.median(v) * 1e-6 for n, v in taken.items()}, {}
+
+    monkeypatch.setattr(tuning, "measure", fake)
+    out_json = tmp_path / "c.json"
+    assert main(["bench", *TINY, "--compiled", "linear", "--compiler", "aot_eager", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert ("slower than loop_compiled: train linear B=4 G=2 3x2 auto 1.050, interval 1.040-1.060: "
+            "slower beyond the noise") in printed
+    assert "slower than loop_compiled: train linear B=4 G=3 3x2 auto 1.020, interval 0.980-1.040: a tie" in printed
+    doc = json.loads(out_json.read_text())
+    assert [r["compiled_over_best_peer_interval"] for r in doc["rows"]] == [{"auto": [1.04, 1.06]}, {"auto": [0.98, 1.04]}]
+    s = doc["summary"]["train"]["linear"]
+    assert (s["slower_than_best_peer"], s["slower_than_best_peer_beyond_noise"], s["tied_with_best_peer"],
+            s["points_with_interval"]) == (2, 1, 1, 2)
+    assert s["slower_beyond_noise_points"] == ["linear B=4 G=2 3x2"]
+    met = s["targets_met"]
+    assert met["slower_than_no_compiled_peer"] is False and met["slower_than_no_compiled_peer_beyond_noise"] is False
+    assert re.search(r"\n    of which slower beyond the rounds' noise \(interval above 1\) +1\n", printed)
 
 
 @pytest.mark.parametrize("extra, point, step", [

@@ -66,6 +66,7 @@ def test_the_compiled_results_render_the_control_and_the_faulting_points(hooks):
     assert f"| {all_['geomean_control_compiled_over_eager']:.2f} |" in text
     faulting = [r for r in doc["rows"] if any(v >= FAULTS_NOTED for v in r.get("faults_per_step", {}).values())]
     assert faulting and text.count(" page faults per step ") == 1
+    text = text[text.index("page-faulted"):]  # the faulting points' table
     for r in faulting:
         point = f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} |"
         assert point in text
@@ -75,6 +76,27 @@ def test_the_compiled_results_render_the_control_and_the_faulting_points(hooks):
     assert quiet and all(
         f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} |" not in text
         for r in quiet)
+
+
+def test_the_compiled_results_render_each_slower_point_with_its_interval(hooks):
+    # Every point where compiled blockdiag's median is slower than the best compiled peer's
+    # is listed with the interval of its round-by-round ratio and the verdict it gives.
+    import json
+
+    name = "bench-compiled-cpu-avx512.json"
+    doc = json.loads((ROOT / "docs" / "results" / name).read_text())
+    text = hooks.bench_compiled_markdown(name)
+    slower = [r for r in doc["rows"] if r["compiled_over_best_peer"].get("auto", 0) > 1]
+    all_ = doc["summary"]["train"]["all"]
+    assert all_["slower_than_best_peer"] == len(slower)
+    assert all_["points_with_interval"] == all_["points"]  # the committed grid has them all
+    assert f" | {all_['slower_than_best_peer']} ({all_['slower_than_best_peer_beyond_noise']}) |" in text
+    for r in slower:
+        lo, hi = r["compiled_over_best_peer_interval"]["auto"]
+        verdict = "slower beyond the noise" if lo > 1 else "a tie"
+        assert (f"| {r['mode']} {r['model']} B={r['batch']} G={r['groups']} {r['block_in']}x{r['block_out']} | "
+                f"`{r['best_peer']}` | {r['compiled_over_best_peer']['auto']:.3f} | {lo:.3f} to {hi:.3f} | {verdict} |") in text
+    assert text.count(" | a tie |") + text.count(" | slower beyond the noise |") == len(slower)
 
 
 def test_the_simd_blas_grads_results_render_every_row(hooks):

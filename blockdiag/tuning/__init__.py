@@ -56,9 +56,11 @@ from ._timer import (
     _vmap_step,
     allocator_env,
     measure,
+    median_interval,
 )
 from ._bench import (
     COMPILED_CONTROL,
+    COMPILED_INTERVAL_LEVEL,
     COMPILED_MODELS,
     COMPILED_PEERS,
     COMPILED_TARGETS,
@@ -88,6 +90,7 @@ __all__ = [
     "GRIDS",
     "BENCH_GRID",
     "measure",
+    "median_interval",
     "tune",
     "rematch",
     "prior_choice",

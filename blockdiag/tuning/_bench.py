@@ -32,6 +32,7 @@ from ._timer import (
     _runnable,
     _step,
     _vmap_step,
+    median_interval,
 )
 from ._memory import peak_memory
 
@@ -252,6 +253,14 @@ COMPILED_TARGETS = {
     "geomean_speedup_over_best_peer": 1.25,
     "max_compiled_over_best_peer": 1.0,
 }
+
+# The coverage of each point's interval for compiled over the best compiled peer
+# (``compiled_over_best_peer_interval``: :func:`median_interval` of the round-by-round ratios).
+# A point whose whole interval lies above 1 is slower than that peer beyond the run's noise;
+# one whose interval holds 1 is a tie at this many rounds. With bench's defaults (5 rounds,
+# and 5 more for every step of a compiled point) a point has 10 paired ratios, and the
+# interval runs from the second smallest to the second largest (97.9% coverage).
+COMPILED_INTERVAL_LEVEL = 0.95
 
 # ``bench`` (eager and compiled) names the points where a timed step page-faults at least
 # this many times a call: 40 KB of fresh pages a step, where an allocator that keeps what
@@ -586,14 +595,15 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             steps[cname] = _module_step(cm, mod, x, gy)
         g_before = _dynamo_counts()[0]
         faults: dict[str, float] = {}
+        taken: dict[str, list[float]] = {}
         times, errs = _tuning.measure(steps, p.device, rounds, min_time, prune=0.0, stat=stat, refine=refine,
-                                      refine_also=tuple(steps), faults=faults)
+                                      refine_also=tuple(steps), faults=faults, per_round=taken)
         g_timing = _dynamo_counts()[0] - g_before
     failed.update(errs)
     us = {n: t * 1e6 for n, t in times.items()}
     peers = {n: us[n] for n in COMPILED_PEERS if n in us}
     best_peer = min(peers, key=peers.get) if peers else None
-    ce, cp = {}, {}
+    ce, cp, cp_interval = {}, {}, {}
     peer_ce = {
         n: round(us[n] / us[n.removesuffix("_compiled")], 4)
         for n in COMPILED_PEERS if n in us and n.removesuffix("_compiled") in us
@@ -606,6 +616,13 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             ce[n] = round(c / us[n], 4)
         if best_peer is not None:
             cp[n] = round(c / peers[best_peer], 4)
+            # Round by round, the compiled module over that peer: samples taken moments apart,
+            # so a drift of the machine cancels; the interval says whether the point's ratio
+            # is apart from 1 by more than the rounds vary.
+            paired = [a / b for a, b in zip(taken.get(f"{n}_compiled", ()), taken.get(best_peer, ()))]
+            iv = median_interval(paired, COMPILED_INTERVAL_LEVEL)
+            if iv is not None:
+                cp_interval[n] = [round(iv[0], 4), round(iv[1], 4)]
     if faults:
         out["faults_per_step"] = {n: round(v, 1) for n, v in faults.items()}
     ctl, ctl_c = us.get(COMPILED_CONTROL), us.get(f"{COMPILED_CONTROL}_compiled")
@@ -620,6 +637,7 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
         best_peer=best_peer,
         compiled_over_eager=ce,
         compiled_over_best_peer=cp,
+        compiled_over_best_peer_interval=cp_interval,
         peer_compiled_over_eager=peer_ce,
     )
     if g_timing:
@@ -668,6 +686,18 @@ def _compiled_stats(rs: Sequence[dict], name: str) -> Optional[dict]:
             worst_point_compiled_over_best_peer=_point_name(worst[1]),
             slower_than_best_peer=sum(v > 1.0 for v, _ in cp),
         )
+        # The same verdict with each point's interval (rows from before intervals lack it):
+        # slower only where every plausible median of the paired ratios is above 1.
+        iv = [(r["compiled_over_best_peer_interval"][name], r) for _, r in cp
+              if name in r.get("compiled_over_best_peer_interval", {})]
+        if iv:
+            apart = [(lo, r) for (lo, _), r in iv if lo > 1.0]
+            s.update(
+                points_with_interval=len(iv),
+                slower_than_best_peer_beyond_noise=len(apart),
+                slower_beyond_noise_points=[_point_name(r) for _, r in sorted(apart, key=lambda t: -t[0])],
+                tied_with_best_peer=sum(lo <= 1.0 <= hi for (lo, hi), _ in iv),
+            )
     if ce and cp:
         t = COMPILED_TARGETS
         s["targets_met"] = {
@@ -676,8 +706,10 @@ def _compiled_stats(rs: Sequence[dict], name: str) -> Optional[dict]:
             f"geomean_speedup_over_best_peer>={t['geomean_speedup_over_best_peer']}":
                 s["geomean_speedup_over_best_peer"] >= t["geomean_speedup_over_best_peer"],
             "slower_than_no_compiled_peer": s["max_compiled_over_best_peer"] <= t["max_compiled_over_best_peer"],
-            "compiled_everywhere": fails == 0,
         }
+        if s.get("points_with_interval") == len(cp):
+            s["targets_met"]["slower_than_no_compiled_peer_beyond_noise"] = s["slower_than_best_peer_beyond_noise"] == 0
+        s["targets_met"]["compiled_everywhere"] = fails == 0
     return s
 
 
@@ -688,8 +720,12 @@ def summarize_compiled(rows: Sequence[dict]) -> dict:
     ``points``, ``failed_points``, the geometric mean and the worst (largest) of compiled
     over eager and of compiled over the best compiled peer, with their points, the
     geometric-mean speed-up over the best compiled peer, the points where compiled
-    blockdiag is slower than that peer, ``targets_met`` (:data:`COMPILED_TARGETS`, and no
-    failed point), and ``geomean_loop_compiled_over_eager`` /
+    blockdiag is slower than that peer; where the rows carry intervals
+    (:data:`COMPILED_INTERVAL_LEVEL`), ``slower_than_best_peer_beyond_noise`` (the points whose
+    whole interval lies above 1, named in ``slower_beyond_noise_points``, slowest first),
+    ``tied_with_best_peer`` (intervals holding 1) and ``points_with_interval``;
+    ``targets_met`` (:data:`COMPILED_TARGETS`, the slower-nowhere target judged both on the
+    medians and, where every point has an interval, beyond the noise, and no failed point); and ``geomean_loop_compiled_over_eager`` /
     ``geomean_vmap_compiled_over_eager``: each peer's compiled over eager time over the
     same points, torch.compile's effect on the computations blockdiag replaces;
     ``geomean_control_compiled_over_eager``, the same for :data:`COMPILED_CONTROL` (plain

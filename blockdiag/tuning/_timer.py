@@ -191,6 +191,7 @@ def measure(
     refine: float = 0.0,
     refine_also: Iterable[str] = (),
     faults: Optional[dict[str, float]] = None,
+    per_round: Optional[dict[str, list[float]]] = None,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per call of each step (median or min over interleaved rounds); ``(times, failures)``.
 
@@ -216,6 +217,11 @@ def measure(
             its samples (counted around each sample, outside its timing; left empty where
             the platform does not count them). A warm step that faults is paying for fresh
             pages from the allocator, not for its own work (docs/faq.md).
+        per_round: a dict to fill with each step's samples (seconds per call) in the order
+            taken. Index ``r`` of two steps' lists is the same round wherever both lists
+            reach it (a pruned step's list stops early, a step outside ``refine``'s extra
+            rounds stops at ``rounds``), so ``a[r] / b[r]`` pairs samples taken moments apart:
+            what :func:`median_interval` of such ratios reads.
 
     Returns:
         ``({name: seconds}, {name: error message})``; a step that raised is reported in the
@@ -288,6 +294,8 @@ def measure(
             samples[name].append(_sample(steps[name], reps[name], device, None if counts is None else counts[name]))
     if faults is not None and counts:
         faults.update({n: statistics.median(v) for n, v in counts.items() if v and n in samples})
+    if per_round is not None:
+        per_round.update({n: list(v) for n, v in samples.items()})
     return {n: agg(v) for n, v in samples.items()}, failures
 
 
@@ -356,6 +364,44 @@ def _resolve_modes(modes: Sequence[str]) -> tuple[str, ...]:
     if bad or not out:
         raise BlockDiagError(f"tune: modes must be a non-empty subset of ('forward', 'train'), got {modes!r}")
     return out
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> Optional[tuple[float, float]]:
+    """A distribution-free confidence interval for the median of ``values``; None below 6 of them.
+
+    The interval runs from the ``j``-th smallest value to the ``j``-th largest, with ``j`` the
+    largest rank whose interval covers the median with probability ``level`` or more
+    whatever the distribution (the sign test's order statistics: coverage
+    ``1 - 2 P(Binomial(n, 1/2) < j)``). Timings are skewed, stalls only ever add time, and a
+    normal interval would be pulled by a single stall; this one is not. Fewer than 6 values
+    cannot reach 95%: the widest interval, smallest to largest, covers ``1 - 2 / 2**n``.
+
+    >>> median_interval([1.02, 0.99, 1.01, 1.00, 0.98, 1.03, 1.00, 0.97, 1.05, 1.01])
+    (0.98, 1.03)
+    >>> median_interval([1.0, 1.1]) is None
+    True
+
+    Args:
+        values: the samples (for ``bench``, ratios of paired samples of two steps).
+        level: the least coverage wanted, in (0, 1).
+
+    Returns:
+        ``(low, high)``, or None where ``values`` are too few for ``level``.
+
+    Raises:
+        BlockDiagError: ``level`` not in (0, 1).
+    """
+    if not 0.0 < level < 1.0:
+        raise BlockDiagError(f"median_interval: level must be in (0, 1), got {level!r}")
+    xs = sorted(values)
+    n = len(xs)
+    alpha = 1.0 - level
+    below = 0  # P(X <= j - 1) * 2**n for X ~ Binomial(n, 1/2), at the current j
+    j = 0
+    while j < n // 2 and 2 * (below + math.comb(n, j)) <= alpha * 2**n:
+        below += math.comb(n, j)
+        j += 1
+    return None if j == 0 else (xs[j - 1], xs[n - j])
 
 
 def _geomean(xs: Sequence[float]) -> float:
