@@ -180,6 +180,19 @@ def _blocks(s: str) -> tuple[tuple[int, int], ...]:
     return out
 
 
+def _kernel_grid_options(ap: argparse.ArgumentParser, rounds: int, batch: tuple[int, ...], groups: tuple[int, ...],
+                         blocks: tuple[tuple[int, int], ...]) -> None:
+    """The options of the scripts that time ``simd``'s kernels over a grid (``scripts/bench_simd_*.py``),
+    with each script's own defaults: rounds, sample length, dtype, the grid, the JSON output."""
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
+    ap.add_argument("--min-time", type=float, default=0.01, help="seconds each sample lasts at least (default 0.01)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    ap.add_argument("--batch", type=_int_list, default=batch, help="rows, comma-separated")
+    ap.add_argument("--groups", type=_int_list, default=groups, help="groups, comma-separated")
+    ap.add_argument("--blocks", type=_blocks, default=blocks, help="blocks IN x OUT, comma-separated")
+    ap.add_argument("--json", help="write the rows and how they were measured here")
+
+
 # The dtypes blockdiag's layers take (floating point); each backend declares its own subset.
 _DTYPES = ("float32", "float64", "float16", "bfloat16")
 

@@ -22,7 +22,7 @@ import torch
 from blockdiag import grouped_linear, tuning
 from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.backends.loop import _backward as blas_backward
-from blockdiag.cli import _blocks, _int_list, _provenance
+from blockdiag.cli import _kernel_grid_options, _provenance
 from blockdiag.profile import device_name
 
 BATCHES = (32, 256, 2048)
@@ -55,13 +55,7 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=11)
-    ap.add_argument("--min-time", type=float, default=0.01, help="seconds each sample lasts at least")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    ap.add_argument("--batch", type=_int_list, default=BATCHES)
-    ap.add_argument("--groups", type=_int_list, default=GROUPS)
-    ap.add_argument("--blocks", type=_blocks, default=BLOCKS)
-    ap.add_argument("--json", help="write the rows and how they were measured here")
+    _kernel_grid_options(ap, 11, BATCHES, GROUPS, BLOCKS)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     why = get("simd").unavailable_reason()

@@ -440,6 +440,51 @@ def test_compiled_auto_under_forward_ad_takes_no_native_route():
     _close(got, want, torch.float32, what="forward-AD tangent through the compiled layer")
 
 
+def test_a_graph_compiled_before_any_eager_call_records_simds_cpp_ops():
+    # The usual order, a model compiled right away: in a fresh process no simd call has
+    # armed the C++ ops when dynamo traces, so tracing arms them (OpEntry.prepare_ops)
+    # before reading which routes are ready; the graph then calls them, as one traced after
+    # an eager call does, instead of the op with its Python per call.
+    from _params import run_or_fail_on_hang
+
+    require_backend("simd")
+    _write_winner("simd", N)  # the subprocess reads the same profile (BLOCKDIAG_PROFILE)
+    code = textwrap.dedent(f"""
+        import torch
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from blockdiag import GroupedLinear
+        from blockdiag.backends import _simd_ops
+        from blockdiag.testing import reference_loop
+        G, I, O, N = {G}, {I}, {O}, {N}
+        seen = []
+        def compiler(gm, _):
+            seen.append({{str(n.target) for n in gm.graph.nodes if n.op == "call_function"}})
+            return make_boxed_func(gm.forward)
+        layer = GroupedLinear(G * I, G * O, G)
+        x = torch.randn(N, G * I)
+        assert layer.plan(x).backend == "simd", layer.plan(x)
+        assert not _simd_ops.armed(), "armed before the first call"
+        y = torch.compile(layer, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler), dynamic=False)(x)
+        y.sum().backward()
+        fw, bw = seen
+        if torch.float32 in _simd_ops.armed():
+            assert "blockdiag.simd_native.default" in fw and "blockdiag.auto.default" not in fw, sorted(fw)
+            assert "blockdiag.simd_native_backward.default" in bw, sorted(bw)
+            print("native route")
+        else:
+            print("not ready:", _simd_ops.note())
+        w = layer.weight.detach().double()
+        want = reference_loop(x.double(), w, layer.bias.detach().double())
+        torch.testing.assert_close(y.detach().double(), want, rtol=1e-5, atol=1e-6)
+        """)
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess")
+    assert rc == 0, f"exit {rc}: {err[-3000:]}"
+    if "not ready:" in out:
+        pytest.skip(f"simd's C++ ops are not ready here: {out.strip()}")
+    assert "native route" in out, out
+
+
 def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkeypatch):
     # The route is taken only where the graph's plan state names it (what a graph traced
     # before the ops were ready carries): graphs with and without it differ, so torch's
@@ -448,7 +493,7 @@ def test_compiled_auto_keeps_the_op_where_the_state_names_no_native_route(monkey
 
     w, b, x, gy, want = _simd_chosen()
     assert "native:simd:float32" in linear._traced_plan_state().split()
-    monkeypatch.setattr(linear, "traced_routes", lambda: "")
+    monkeypatch.setattr(linear, "traced_routes", lambda *a: "")
     layer = _layer("auto", w, b)
     backend, fw, bw = _fw_bw_ops()
     got = _run_module(torch.compile(layer, backend=backend, dynamic=False), (layer.weight, layer.bias), x, gy)
@@ -936,7 +981,7 @@ def test_compiled_mlp_at_a_static_batch_decides_as_eager_does(table_says, floor,
 
     monkeypatch.setattr(GroupedMLP, "_measured_choice", choice)
     monkeypatch.setattr(mlp_module, "TRACED_LAYERS_MIN_FLOPS", floor)
-    monkeypatch.setattr(mlp_module, "traced_routes", lambda: "")  # the floor alone decides (see below)
+    monkeypatch.setattr(mlp_module, "traced_routes", lambda *a: "")  # the floor alone decides (see below)
     model = _mlp("auto")
     torch._dynamo.reset()
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
@@ -967,7 +1012,7 @@ def test_compiled_mlp_below_the_floor_follows_eager_where_its_layers_take_native
     model = _mlp("auto")
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     routes = " ".join(route_token(p.backend, p.problem.dtype) for p in model._layer_plans(x) if p.problem.groups > 1)
-    monkeypatch.setattr(mlp_module, "traced_routes", lambda: routes if native else "")
+    monkeypatch.setattr(mlp_module, "traced_routes", lambda *a: routes if native else "")
     torch._dynamo.reset()
     chain_spy.clear()
     y = torch.compile(model, fullgraph=True, dynamic=False)(x)

@@ -780,11 +780,18 @@ def _operands_check(x, weight, bias) -> Optional[str]:
     why = self_check(x.dtype)
     if why is not None:
         return f"{why}; choose another backend"
-    if x.dtype not in _simd_ops._ARMED:
-        # Checked: the C++ ops may call these kernels from now on (built and loaded on the first call).
-        with _isolated():
-            _simd_ops.arm(x.dtype, _library()[0][x.dtype], functools.partial(_ops_agree, x.dtype))
+    _prepare_ops(x.dtype)
     return None
+
+
+def _prepare_ops(dtype: torch.dtype, device_type: str = "cpu") -> None:
+    """Arm the C++ ops with ``dtype``'s kernels once they passed their self-check (built and
+    loaded on the first call); nothing where they cannot run. Never raises."""
+    if device_type != "cpu" or dtype in _simd_ops._ARMED or self_check(dtype) is not None:
+        return
+    # Checked: the C++ ops may call these kernels from now on.
+    with _isolated():
+        _simd_ops.arm(dtype, _library()[0][dtype], functools.partial(_ops_agree, dtype))
 
 
 def _ops_agree(dtype: torch.dtype, native) -> Optional[str]:
@@ -810,7 +817,7 @@ def _ops_agree(dtype: torch.dtype, native) -> Optional[str]:
 
 
 simd = define(OpEntry("simd", _kernel_forward, _kernel_backward, native=True, check=_operands_check,
-                      compiled_ops=_simd_ops.armed))
+                      compiled_ops=_simd_ops.armed, prepare_ops=_prepare_ops))
 
 
 def _probe() -> Optional[str]:

@@ -199,14 +199,15 @@ def _compile_guard(generation: int) -> None:
         raise AssertionError(generation)
 
 
-def _traced_plan_state(native: bool = True) -> str:
+def _traced_plan_state(native: bool = True, dtype: torch.dtype | None = None, device_type: str = "cpu") -> str:
     """:func:`blockdiag.dispatch.plan_state`, which dynamo calls once and records as a constant.
 
     With ``native``, under ``torch.compile`` (not ``torch.export``), followed by the native
-    routes ready now (:func:`blockdiag.ops.auto.traced_routes`): the graph may then record a
-    C++ backend's ops.
+    routes ready now for ``dtype`` on ``device_type``, made ready first where they can be
+    (:func:`blockdiag.ops.auto.traced_routes`): the graph may then record a C++ backend's
+    ops, whether or not an eager call came first.
     """
-    routes = traced_routes() if native else ""
+    routes = traced_routes(dtype, device_type) if native else ""
     return f"{plan_state()} {routes}" if routes else plan_state()
 
 
@@ -243,7 +244,8 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             _compile_guard(_settings.generation)
             # The C++ ops of a native route have no forward-mode rule: a graph traced, or run,
             # with forward AD active records none (reading the level makes it a guard).
-            y = _auto_inline_op(x2, weight, bias, train, _traced_plan_state(_fwad._current_level < 0))
+            state = _traced_plan_state(_fwad._current_level < 0, x2.dtype, x2.device.type)
+            y = _auto_inline_op(x2, weight, bias, train, state)
         else:
             y = _auto_op(x2, weight, bias, train)
     else:

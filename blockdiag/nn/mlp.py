@@ -1005,7 +1005,7 @@ def _traced_measured_choice(model: GroupedMLP, rows: int, grad: bool, input_grad
     grouped = [p for p in plans if p.problem.groups > 1]
     if sum(p.problem.flops for p in grouped) >= TRACED_LAYERS_MIN_FLOPS:
         return chain
-    routes = traced_routes().split()
+    routes = traced_routes(first.weight.dtype, first.weight.device.type).split()
     if grouped and all(route_token(p.backend, p.problem.dtype) in routes for p in grouped):
         return chain  # every grouped layer on a native route: no op cost per call (see TRACED_LAYERS_MIN_FLOPS)
     return first.weight.device.type in CHAIN_WHEREVER_ALLOWED  # the device rule, as at a symbolic batch

@@ -171,6 +171,10 @@ class OpEntry:
             need_x, need_w)``) that run the kernels with no Python per call, for each dtype
             they are ready for now; a graph ``torch.compile`` traces at a static batch
             records them where ``auto`` chooses this backend (see ``blockdiag.ops.auto``).
+        prepare_ops: ``prepare_ops(dtype, device_type)`` makes ``compiled_ops`` ready for
+            ``dtype`` on that device type where they can be (what the backend's first eager
+            call does), and never raises; called when a graph is traced, before it reads
+            which routes are ready.
     """
 
     name: str
@@ -185,6 +189,7 @@ class OpEntry:
     rows: Optional[Forward] = None
     rows_input_grad: Optional[Callable] = None
     compiled_ops: Optional[Callable[[], dict]] = None
+    prepare_ops: Optional[Callable[[torch.dtype, str], None]] = None
 
     @property
     def inlinable(self) -> bool:

@@ -34,6 +34,8 @@ of what plans read besides the problem, as its ``state`` argument.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd import forward_ad as _fwad
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -258,9 +260,22 @@ def native_routes() -> str:
                            for dt in e.compiled_ops()))
 
 
-def traced_routes() -> str:
-    """:func:`native_routes` under ``torch.compile``; empty while ``torch.export`` traces."""
-    return "" if torch.compiler.is_exporting() else native_routes()
+def traced_routes(dtype: Optional[torch.dtype] = None, device_type: str = "cpu") -> str:
+    """:func:`native_routes` under ``torch.compile``; empty while ``torch.export`` traces.
+
+    With ``dtype``, each backend's C++ ops are first made ready for it where they can be
+    (``OpEntry.prepare_ops``: built, loaded, checked, armed, as a backend's first eager call
+    does): a graph traced before any eager call, the usual order for a model compiled right
+    away, then records the native route as one traced after an eager call does, instead of
+    the op with its Python per call.
+    """
+    if torch.compiler.is_exporting():
+        return ""
+    if dtype is not None:
+        for e in _ENTRIES.values():
+            if e.prepare_ops is not None and e.compiled_ops is not None and dtype not in e.compiled_ops():
+                e.prepare_ops(dtype, device_type)
+    return native_routes()
 
 
 class _NativeRoute(torch.autograd.Function):
