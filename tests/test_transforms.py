@@ -252,6 +252,27 @@ def test_recompiles_across_batch_sizes(name, dynamic):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("name", ["auto", "bmm"])
+def test_registering_dtensors_rules_after_compiling_recompiles_nothing(name, monkeypatch):
+    # The layer registers DTensor's sharding rules on its first eager call once DTensor is
+    # loaded (blockdiag.ops._sharding); a compiled graph must not be guarded on whether
+    # that happened, or loading DTensor after compiling would recompile every layer.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from blockdiag.ops import _sharding
+
+    require_backend(name)
+    w, b = _params(torch.float32)
+    layer = _layer(name, w, b)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=cnt, dynamic=False)
+    x = torch.randn(N, G * I)
+    compiled(x)
+    monkeypatch.setattr(_sharding, "_done", not _sharding._done)
+    torch.testing.assert_close(compiled(x), layer(x))
+    assert cnt.frame_count == 1, f"{cnt.frame_count} graphs"
+
+
 # A tuning profile whose measured winner (train mode, G=3, 4x2 blocks, float32) changes along
 # the batch, so that a graph fixing auto's choice at trace time would run the wrong backend.
 # conv's float32 results differ in the last bits from the other winners' at this shape, and

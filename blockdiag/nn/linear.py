@@ -226,8 +226,10 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     the backend accepts the operands. Only the checks that need no data or batch run here.
     """
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
-    if not _sharding._done and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not _sharding._done:
         # Registers DTensor's rules once DTensor is loaded; never traced (it takes a lock).
+        # Asked in this order, dynamo never reads ``_done``: a graph guarded on it would
+        # recompile once the rules are registered (DTensor loaded after compiling).
         _sharding.ensure()
     g, o, i = _check_operands(fn, x, weight, bias)
     lead = x.shape[:-1]
