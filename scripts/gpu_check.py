@@ -231,7 +231,7 @@ def time_grid(budget: float) -> list[dict]:
                         row["declined"][name] = why
                         continue
 
-                    def step(name=name):
+                    def step(name=name, x=x, w=w, b=b):
                         y = grouped_linear(x, w, b, backend=name)
                         if train:
                             torch.autograd.grad(y.sum(), (x, w, b))
@@ -248,6 +248,7 @@ def time_grid(budget: float) -> list[dict]:
                         f"auto->{row['auto_backend']} {t.get('auto')} us")
                 rows.append(row)
                 del x, w, b
+                step = None  # its defaults hold the operands: free them before the next shape's
     return rows
 
 

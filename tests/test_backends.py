@@ -10,7 +10,6 @@ references. A backend that gains a constraint therefore needs a row here.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re

@@ -1123,7 +1123,6 @@ def test_the_heads_strategy_under_every_transform(how):
     model = _mlp("auto")
     model.strategy = "heads"
     x = torch.randn(5, 6, dtype=torch.float64)
-    gy = torch.randn(5, 6, dtype=torch.float64)
     params = dict(model.named_parameters())
     if how == "compile-fullgraph":
         torch._dynamo.reset()

@@ -20,8 +20,6 @@ The backward is ``bmm``'s, written in differentiable ops, so double backward wor
 
 from __future__ import annotations
 
-import torch
-
 from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
 from .bmm import bmm_fm_forward, bmm_fm_rows, rows_input_grad

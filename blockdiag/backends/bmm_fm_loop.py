@@ -11,8 +11,6 @@ batches; ``auto`` picks by the measured table.
 
 from __future__ import annotations
 
-import torch
-
 from ..ops import OpEntry, define
 from ._registry import FLOATS, Backend, register
 from .bmm import bmm_fm_forward, bmm_fm_rows

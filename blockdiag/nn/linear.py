@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Sequence
 
 import torch
@@ -13,9 +12,7 @@ from torch.autograd import forward_ad as _fwad
 from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
 from ..backends import Problem, get
-from .. import profile as _profile
 from .. import settings as _settings
-from ..backends._registry import _REGISTRY
 from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
 from ..ops import _sharding
