@@ -1,0 +1,35 @@
+"""The source itself: what a reviewer would otherwise have to catch by eye."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The modules whose job is to print: the command line and its formatting.
+PRINTING = {"cli.py", "_cli_format.py"}
+
+
+def test_pyflakes_finds_nothing():
+    # Unused imports and names, undefined names, shadowed loop variables: ruff's F rules over
+    # the library, scripts, docs' Python and tests (ruff comes with the docs extra).
+    pytest.importorskip("ruff")
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "F",
+                          "--output-format", "concise", str(ROOT)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_the_library_prints_only_from_the_command_line():
+    # A print left in library code writes into every user's output; the CLI prints on purpose.
+    # Docstring examples are strings, not calls, so ast does not see them.
+    found = []
+    for path in sorted((ROOT / "blockdiag").rglob("*.py")):
+        if path.name in PRINTING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("print", "breakpoint"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}()")
+    assert not found, found
