@@ -780,27 +780,41 @@ def simd_blas_grads_markdown(name: str) -> str:
     """``scripts/bench_simd_blas_grads.py``'s rows: simd's gradient kernels against torch's BLAS."""
     d = _load(name)
     least = d["blas_grads_min_block"]
+    w_least, w_rows = d.get("blas_weight_grad_min_block"), d.get("blas_weight_grad_max_rows")
+
+    def runs(r: dict) -> tuple[str, str]:
+        # Files from before the weight gradient's own rule have no simd_runs: one threshold.
+        if "simd_runs" in r:
+            return r["simd_runs"]["input"], r["simd_runs"]["weight"]
+        both = "BLAS" if r["block_in"] * r["block_out"] >= least else "kernels"
+        return both, both
+
+    route = {"op": "its C++ ops", "ctypes": "its ctypes wrappers"}.get(d.get("route", "ctypes"))
+    rule = f"both gradients BLAS's from {least} elements a block (`BLAS_GRADS_MIN_BLOCK`)"
+    if w_least is not None:
+        rule += (f", the weight gradient alone from {w_least} elements over at most {w_rows} rows "
+                 "(`BLAS_WEIGHT_GRAD_MIN_BLOCK`, `BLAS_WEIGHT_GRAD_MAX_ROWS`)")
     out = [
         _script_preamble(d, name, f", {d.get('dtype', '?')}, `{d.get('simd_variant', '?')}` kernels, blockdiag at "
                                   f"`{str(d.get('commit', '?'))[:10]}`"),
         "",
-        (f"Times in µs; *BLAS / kernels* below 1: BLAS is faster. *simd runs*: what simd computes the gradients "
-         f"with at that block (BLAS from {least} elements, `BLAS_GRADS_MIN_BLOCK`)."),
+        (f"Times in µs, the kernels called through {route}; *BLAS / kernels* below 1: BLAS is faster. "
+         f"*simd runs*: what simd computes each gradient with at that point ({rule})."),
         "",
         "| batch | groups | block | input gradient: kernels | BLAS | BLAS / kernels | weight and bias: kernels | "
-        "BLAS | BLAS / kernels | simd runs |",
+        "BLAS | BLAS / kernels | simd runs (input, weight) |",
         "|---" * 10 + "|",
     ]
     for r in d["rows"]:
         t = r["times_us"]
-        runs = "BLAS" if r["block_in"] * r["block_out"] >= least else "kernels"
+        rx, rw = runs(r)
         out.append(f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | {t['input_kernels']:.0f} | "
                    f"{t['input_blas']:.0f} | {r['input_blas_over_kernels']:.2f} | {t['weight_kernels']:.0f} | "
-                   f"{t['weight_blas']:.0f} | {r['weight_blas_over_kernels']:.2f} | {runs} |")
-    out += ["", "| blocks | points | input gradient: BLAS / kernels, geometric mean | weight and bias: "
-                "BLAS / kernels, geometric mean |", "|---|---|---|---|"]
-    for label, large in ((f"{least} elements or more", True), (f"under {least} elements", False)):
-        rs = [r for r in d["rows"] if (r["block_in"] * r["block_out"] >= least) is large]
+                   f"{t['weight_blas']:.0f} | {r['weight_blas_over_kernels']:.2f} | {rx}, {rw} |")
+    out += ["", "| simd runs (input, weight) | points | input gradient: BLAS / kernels, geometric mean | "
+                "weight and bias: BLAS / kernels, geometric mean |", "|---|---|---|---|"]
+    for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
+        rs = [r for r in d["rows"] if ", ".join(runs(r)) == label]
         if rs:
             gi = _geomean([r["input_blas_over_kernels"] for r in rs])
             gw = _geomean([r["weight_blas_over_kernels"] for r in rs])

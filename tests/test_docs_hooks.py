@@ -106,10 +106,16 @@ def test_the_simd_blas_grads_results_render_every_row(hooks):
     assert f"<!-- simd-blas-grads: {name} -->" in (ROOT / "docs" / "performance.md").read_text()
     doc = json.loads((ROOT / "docs" / "results" / name).read_text())
     text = hooks.simd_blas_grads_markdown(name)
-    least = doc["blas_grads_min_block"]
+    from blockdiag.backends import _simd_ops
+
+    assert doc["route"] == "op"  # the kernels as simd calls them, through its C++ ops
+    assert (doc["blas_grads_min_block"], doc["blas_weight_grad_min_block"], doc["blas_weight_grad_max_rows"]) == (
+        _simd_ops.BLAS_GRADS_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS)
     for r in doc["rows"]:
-        runs = "BLAS" if r["block_in"] * r["block_out"] >= least else "kernels"
+        rule = _simd_ops.blas_grads(r["batch"], r["block_in"], r["block_out"])
+        runs = ", ".join("BLAS" if v else "kernels" for v in rule)
         assert (f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | "
                 f"{r['times_us']['input_kernels']:.0f} |") in text
         assert f"| {r['weight_blas_over_kernels']:.2f} | {runs} |" in text
-    assert f"| {least} elements or more | " in text and f"| under {least} elements | " in text
+    for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
+        assert f"\n| {label} | " in text

@@ -321,9 +321,10 @@ def _large_operands(kind: str, n: int, g: int, i: int, o: int):
 def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
     # At blocks of BLAS_GRADS_MIN_BLOCK elements or more, simd's gradients are the loop
     # backend's BLAS products, bitwise, through the ops and through ctypes alike; one element
-    # fewer and they are simd's kernels'. The two bias gradients (a sum, and the kernel's
-    # running sums) differ in the last bits here, so the test tells the two apart; the
-    # products agree bitwise (both add the same terms in the same order).
+    # fewer and the input gradient is simd's kernels' (the weight gradient's rule over few
+    # rows is the next test's). The two bias gradients (a sum, and the kernel's running sums)
+    # differ in the last bits here, so the test tells the two apart; the products agree
+    # bitwise (both add the same terms in the same order).
     from blockdiag.backends.loop import _backward as blas
 
     assert _simd_ops.BLAS_GRADS_MIN_BLOCK == 256 * 256
@@ -335,7 +336,9 @@ def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
         by_kernels = (simd._grad_input(cgy, w), *simd._grad_weight(cgy, cx, w.shape, True))
         if kind != "one row broadcast":  # a broadcast gradient sums equal terms: the same in any order
             assert not torch.equal(by_blas[2], by_kernels[2])
-        want = by_blas if large else by_kernels
+        by_x, by_w = _simd_ops.blas_grads(37, i, o)
+        assert by_x is large and by_w  # 37 rows: the weight gradient is BLAS's from 128x128 on
+        want = by_blas if large else (by_kernels[0], *by_blas[1:])
         for got in (native.backward(gy, x, w, True, True, True),
                     _through_ctypes(simd._kernel_backward, gy, x, w, True, True, True)):
             for name, a, c in zip(("input", "weight", "bias"), got, want):
@@ -351,3 +354,40 @@ def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
         assert torch.equal(gx, want[0]) and gw.numel() == 0 and gb.numel() == 0
         gx, gw, gb = native.backward(gy, x, w, True, False, True)
         assert gx.numel() == 0 and torch.equal(gw, want[1]) and torch.equal(gb, want[2])
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "column slice", "column-major", "one row broadcast"])
+def test_the_weight_gradient_alone_takes_blas_over_few_rows(native, kind):
+    # Below BLAS_GRADS_MIN_BLOCK, at blocks of BLAS_WEIGHT_GRAD_MIN_BLOCK elements or more and
+    # at most BLAS_WEIGHT_GRAD_MAX_ROWS rows, the weight and bias gradients are BLAS's (a bmm,
+    # a sum) and the input gradient the kernels', in both routes; one row more, or one element
+    # fewer, and all three are the kernels'. The bias gradients tell the methods apart (see above).
+    from blockdiag.backends.loop import _backward as blas
+
+    rows = _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS
+    assert (_simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, rows) == (128 * 128, 512)
+    cases = (((37, 128, 128), True), ((rows, 128, 128), True), ((rows + 1, 128, 128), False),
+             ((37, 127, 129), False))
+    for (n, i, o), weight_by_blas in cases:
+        assert _simd_ops.blas_grads(n, i, o) == (False, weight_by_blas)
+        x, w, gy = _large_operands(kind, n, 2, i, o)
+        cx, cgy = simd._cols(x), simd._cols(gy)
+        by_blas = blas(cgy, cx, w, True, True, True)
+        by_kernels = (simd._grad_input(cgy, w), *simd._grad_weight(cgy, cx, w.shape, True))
+        if kind != "one row broadcast":
+            assert not torch.equal(by_blas[2], by_kernels[2])
+        want = (by_kernels[0], *by_blas[1:]) if weight_by_blas else by_kernels
+        for got in (native.backward(gy, x, w, True, True, True),
+                    _through_ctypes(simd._kernel_backward, gy, x, w, True, True, True)):
+            for name, a, c in zip(("input", "weight", "bias"), got, want):
+                assert torch.equal(a, c), (name, n, i, o)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        bd = torch.zeros(2 * o, dtype=torch.float64, requires_grad=True)
+        ref = torch.autograd.grad(reference_loop(xd, wd, bd), (xd, wd, bd), gy.double())
+        for a, r in zip(want, ref):
+            torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-3)
+        for route in (native.backward, lambda *a: _through_ctypes(simd._kernel_backward, *a)):
+            gx, gw, gb = route(gy, x, w, False, True, False)
+            assert torch.equal(gx, want[0]) and (gw is None or gw.numel() == 0) and (gb is None or gb.numel() == 0)
+            gx, gw, gb = route(gy, x, w, True, False, True)
+            assert (gx is None or gx.numel() == 0) and torch.equal(gw, want[1]) and torch.equal(gb, want[2])

@@ -27,8 +27,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#ifndef BD_BLAS_GRADS_MIN_BLOCK
-#error "BD_BLAS_GRADS_MIN_BLOCK is defined by the build command in _simd_ops.py (BLAS_GRADS_MIN_BLOCK)"
+#if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS)
+#error "BD_BLAS_* are defined by the build command in _simd_ops.py (BLAS_GRADS_MIN_BLOCK, BLAS_WEIGHT_GRAD_*)"
 #endif
 
 #include <algorithm>
@@ -143,32 +143,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   auto [gy, ldg] = matrix(op, "grad", gy_in, dtype);
   // A gradient not asked for comes back with 0 elements (an op cannot return None).
   at::Tensor gx = at::empty({0}, gy.options()), gw = at::empty({0}, gy.options()), gb = at::empty({0}, gy.options());
-  if (i * o >= BD_BLAS_GRADS_MIN_BLOCK) {
-    // Large blocks: torch's BLAS products, the same calls as simd's ctypes path (simd.py,
-    // _blas_backward; BLAS_GRADS_MIN_BLOCK in _simd_ops.py says why), so both agree bitwise.
-    if (need_input) {
-      gx = at::empty({n, g * i}, gy.options());
-      for (int64_t k = 0; k < g; k++) {
-        at::Tensor slice = gx.narrow(1, k * i, i);
-        at::mm_out(slice, gy.narrow(1, k * o, o), weight.select(0, k));
-      }
+  // Where the gradients are torch's BLAS products, they are the same calls as simd's ctypes
+  // path (simd.py, _blas_backward), so both routes agree bitwise; blas_grads in _simd_ops.py
+  // is the rule and says why.
+  const bool blas_input = i * o >= BD_BLAS_GRADS_MIN_BLOCK;
+  const bool blas_weight =
+      blas_input || (i * o >= BD_BLAS_WEIGHT_GRAD_MIN_BLOCK && n <= BD_BLAS_WEIGHT_GRAD_MAX_ROWS);
+  if (need_input && blas_input) {
+    gx = at::empty({n, g * i}, gy.options());
+    for (int64_t k = 0; k < g; k++) {
+      at::Tensor slice = gx.narrow(1, k * i, i);
+      at::mm_out(slice, gy.narrow(1, k * o, o), weight.select(0, k));
     }
-    if (need_weight) {
-      auto [x, ldx] = matrix(op, "input", x_in, dtype);
-      gw = at::bmm(gy.view({n, g, o}).permute({1, 2, 0}), x.view({n, g, i}).transpose(0, 1));
-    }
-    if (has_bias) {
-      gb = at::sum(gy, {0});
-    }
-    return {gx, gw, gb};
-  }
-  if (need_input) {
+  } else if (need_input) {
     gx = at::empty({n, g * i}, gy.options());
     ran(k.grad_input.load()(gy.const_data_ptr(), ldg, weight.const_data_ptr(), gx.mutable_data_ptr(), g * i, n, g, i, o,
                             at::get_num_threads()),
         op, "input gradient");
   }
-  if (need_weight) {
+  if (need_weight && blas_weight) {
+    auto [x, ldx] = matrix(op, "input", x_in, dtype);
+    gw = at::bmm(gy.view({n, g, o}).permute({1, 2, 0}), x.view({n, g, i}).transpose(0, 1));
+    if (has_bias) {
+      gb = at::sum(gy, {0});
+    }
+  } else if (need_weight) {
     auto [x, ldx] = matrix(op, "input", x_in, dtype);
     gw = at::empty({g, o, i}, gy.options());
     if (has_bias) {

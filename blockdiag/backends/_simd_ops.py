@@ -61,6 +61,30 @@ _FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
 # (scripts/bench_simd_blas_grads.py; docs/results/simd-blas-grads-avx512.json). The forward
 # stays simd's at every size.
 BLAS_GRADS_MIN_BLOCK = 256 * 256
+
+# The weight gradient alone (and the bias's, then a ``sum``) is BLAS's from blocks of the
+# first number of elements, at batches of at most the second number of rows: a reduction over
+# that few rows gains nothing from the kernels' register tiles, while BLAS's packed panels
+# still pay at such blocks; over more rows the kernels' long reductions were faster. The input
+# gradient keeps the kernels there, which were faster or level at every such point timed
+# (scripts/bench_simd_blas_grads.py, through the C++ op).
+BLAS_WEIGHT_GRAD_MIN_BLOCK = 128 * 128
+BLAS_WEIGHT_GRAD_MAX_ROWS = 512
+
+
+def blas_grads(rows: int, block_in: int, block_out: int) -> tuple[bool, bool]:
+    """Whether simd's (input, weight) gradients at this size are BLAS's products, not its kernels'.
+
+    The rule both routes follow (``_simd_ops.cpp`` is built with its constants):
+    :data:`BLAS_GRADS_MIN_BLOCK` for both gradients, then :data:`BLAS_WEIGHT_GRAD_MIN_BLOCK`
+    and :data:`BLAS_WEIGHT_GRAD_MAX_ROWS` for the weight gradient alone.
+
+    >>> blas_grads(2048, 256, 256), blas_grads(512, 128, 128), blas_grads(513, 128, 128)
+    ((True, True), (False, True), (False, False))
+    """
+    area = block_in * block_out
+    both = area >= BLAS_GRADS_MIN_BLOCK
+    return both, both or (area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and rows <= BLAS_WEIGHT_GRAD_MAX_ROWS)
 _PREFIX = "torchops-simd-"
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 _LOCK = threading.Lock()
@@ -84,6 +108,8 @@ def _command(cxx: str, out: Path, source: Path) -> list:
     includes, libdir = _torch_paths()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DBD_BLAS_GRADS_MIN_BLOCK={BLAS_GRADS_MIN_BLOCK}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MIN_BLOCK={BLAS_WEIGHT_GRAD_MIN_BLOCK}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MAX_ROWS={BLAS_WEIGHT_GRAD_MAX_ROWS}",
             *(f"-I{p}" for p in includes), "-o", str(out),
             "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
 

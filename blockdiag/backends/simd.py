@@ -763,11 +763,14 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
             pass  # refused: the ctypes wrappers copy or resolve the operands, or say precisely why not
     weight = weight.contiguous()
     gy = _cols(gy)
-    if weight.shape[1] * weight.shape[2] >= _simd_ops.BLAS_GRADS_MIN_BLOCK:
+    blas_x, blas_w = _simd_ops.blas_grads(gy.shape[0], weight.shape[2], weight.shape[1])
+    if blas_x:
         return _blas_backward(gy, _cols(x), weight, has_bias, need_x, need_w)
     gx = _grad_input(gy, weight) if need_x else None
     gw = gb = None
-    if need_w:
+    if need_w and blas_w:
+        _, gw, gb = _blas_backward(gy, _cols(x), weight, has_bias, False, True)
+    elif need_w:
         gw, gb = _grad_weight(gy, _cols(x), weight.shape, has_bias)
     elif has_bias:
         gb = gy.sum(0)
