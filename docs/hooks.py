@@ -781,6 +781,7 @@ def simd_blas_grads_markdown(name: str) -> str:
     d = _load(name)
     least = d["blas_grads_min_block"]
     w_least, w_rows = d.get("blas_weight_grad_min_block"), d.get("blas_weight_grad_max_rows")
+    w_groups = d.get("blas_weight_grad_min_groups")
 
     def runs(r: dict) -> tuple[str, str]:
         # Files from before the weight gradient's own rule have no simd_runs: one threshold.
@@ -792,33 +793,40 @@ def simd_blas_grads_markdown(name: str) -> str:
     route = {"op": "its C++ ops", "ctypes": "its ctypes wrappers"}.get(d.get("route", "ctypes"))
     rule = f"both gradients BLAS's from {least} elements a block (`BLAS_GRADS_MIN_BLOCK`)"
     if w_least is not None:
-        rule += (f", the weight gradient alone from {w_least} elements over at most {w_rows} rows "
-                 "(`BLAS_WEIGHT_GRAD_MIN_BLOCK`, `BLAS_WEIGHT_GRAD_MAX_ROWS`)")
+        rule += (f", the weight gradient alone from {w_least} elements over at most {w_rows} rows"
+                 + (f" with {w_groups} groups or more" if w_groups is not None else "")
+                 + " (`BLAS_WEIGHT_GRAD_*`)")
     out = [
         _script_preamble(d, name, f", {d.get('dtype', '?')}, `{d.get('simd_variant', '?')}` kernels, blockdiag at "
                                   f"`{str(d.get('commit', '?'))[:10]}`"),
         "",
         (f"Times in µs, the kernels called through {route}; *BLAS / kernels* below 1: BLAS is faster. "
-         f"*simd runs*: what simd computes each gradient with at that point ({rule})."),
+         "*Step*: simd's whole training step with the weight gradient by BLAS over the same with the kernels "
+         f"(below `BLAS_GRADS_MIN_BLOCK`). *simd runs*: what simd computes each gradient with at that point "
+         f"({rule})."),
         "",
         "| batch | groups | block | input gradient: kernels | BLAS | BLAS / kernels | weight and bias: kernels | "
-        "BLAS | BLAS / kernels | simd runs (input, weight) |",
-        "|---" * 10 + "|",
+        "BLAS | BLAS / kernels | step: weight by BLAS / kernels | simd runs (input, weight) |",
+        "|---" * 11 + "|",
     ]
     for r in d["rows"]:
         t = r["times_us"]
         rx, rw = runs(r)
         out.append(f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | {t['input_kernels']:.0f} | "
                    f"{t['input_blas']:.0f} | {r['input_blas_over_kernels']:.2f} | {t['weight_kernels']:.0f} | "
-                   f"{t['weight_blas']:.0f} | {r['weight_blas_over_kernels']:.2f} | {rx}, {rw} |")
+                   f"{t['weight_blas']:.0f} | {r['weight_blas_over_kernels']:.2f} | "
+                   f"{_fmt(r.get('step_weight_blas_over_kernels'), '.2f')} | {rx}, {rw} |")
     out += ["", "| simd runs (input, weight) | points | input gradient: BLAS / kernels, geometric mean | "
-                "weight and bias: BLAS / kernels, geometric mean |", "|---|---|---|---|"]
+                "weight and bias: BLAS / kernels, geometric mean | step: weight by BLAS / kernels, geometric mean "
+                "(worst) |", "|---|---|---|---|---|"]
     for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
         rs = [r for r in d["rows"] if ", ".join(runs(r)) == label]
         if rs:
             gi = _geomean([r["input_blas_over_kernels"] for r in rs])
             gw = _geomean([r["weight_blas_over_kernels"] for r in rs])
-            out.append(f"| {label} | {len(rs)} | {gi:.2f} | {gw:.2f} |")
+            st = [r["step_weight_blas_over_kernels"] for r in rs if "step_weight_blas_over_kernels" in r]
+            steps = f"{_geomean(st):.2f} ({max(st):.2f})" if st else "-"
+            out.append(f"| {label} | {len(rs)} | {gi:.2f} | {gw:.2f} | {steps} |")
     out.append("")
     return "\n".join(out)
 

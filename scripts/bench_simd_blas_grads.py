@@ -14,7 +14,10 @@ The kernels are timed as simd calls them: through its C++ ops (``--route op``, t
 built in this process with the rule off so that they run the kernels at every size, or
 through its ctypes wrappers (``--route ctypes``, whose Python adds to small calls). BLAS's
 products are called from Python, so at small sizes BLAS is charged a few microseconds the
-C++ ops' BLAS branch does not pay.
+C++ ops' BLAS branch does not pay. Below ``BLAS_GRADS_MIN_BLOCK`` each point also times
+simd's whole training step (forward and backward, through its ctypes route, which reads the
+rule per call) with the weight gradient by each method: a gradient faster alone can still
+make the step slower (the weight gradient rule rests on the steps).
 
     OMP_NUM_THREADS=1 python scripts/bench_simd_blas_grads.py [--rounds 11] [--json docs/results/simd-blas-grads-avx512.json]
 """
@@ -22,6 +25,7 @@ C++ ops' BLAS branch does not pay.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -33,9 +37,9 @@ from blockdiag.backends.loop import _backward as blas_backward
 from blockdiag.cli import _kernel_grid_options, _provenance
 from blockdiag.profile import device_name
 
-BATCHES = (32, 256, 512, 1024, 2048)
-GROUPS = (4, 16)
-BLOCKS = ((64, 64), (96, 96), (128, 128), (64, 256), (256, 64), (256, 256), (512, 512))
+BATCHES = (32, 256, 512, 2048)
+GROUPS = (4, 16, 50)
+BLOCKS = ((64, 64), (128, 128), (64, 256), (256, 64), (256, 256), (512, 512))
 ROUTES = ("op", "ctypes")
 # What the rule is switched off with in this process (the C++ ops are built with it).
 _NEVER = 1 << 62
@@ -43,13 +47,42 @@ _NEVER = 1 << 62
 MAX_MACS = 2048 * 16 * 256 * 256 // 4
 
 
+@contextlib.contextmanager
+def _weight_by(method: str):
+    """simd's weight gradient computed by ``method`` ("blas" or "kernels") at every size, within."""
+    names = ("BLAS_WEIGHT_GRAD_MIN_BLOCK", "BLAS_WEIGHT_GRAD_MAX_ROWS", "BLAS_WEIGHT_GRAD_MIN_GROUPS")
+    saved = [getattr(_simd_ops, k) for k in names]
+    for k, v in zip(names, (0, _NEVER, 0) if method == "blas" else (_NEVER, 0, _NEVER)):
+        setattr(_simd_ops, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(names, saved):
+            setattr(_simd_ops, k, v)
+
+
+def _train_step(x, w, b, gy, method: str):
+    """simd's training step through its ctypes route, the weight gradient by ``method``
+    (the ctypes route reads the rule per call; the C++ ops were built with one)."""
+    x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+
+    def step():
+        with _simd_ops.through_ctypes(), _weight_by(method):
+            grouped_linear(x, w, b, backend="simd").backward(gy)
+        x.grad = w.grad = b.grad = None
+
+    return step
+
+
 def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds: int, min_time: float,
-            route: str = "ctypes") -> dict:
-    """One point's row: the median time of each gradient by each method, in microseconds."""
+            route: str = "ctypes", steps_too: bool = False) -> dict:
+    """One point's row: the median time of each gradient by each method, in microseconds; with
+    ``steps_too``, also a whole training step with the weight gradient by each method."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, groups * i, generator=gen, dtype=dtype)
     w = torch.randn(groups, o, i, generator=gen, dtype=dtype)
     gy = torch.randn(batch, groups * o, generator=gen, dtype=dtype)
+    b = torch.randn(groups * o, generator=gen, dtype=dtype)
     if route == "op":
         native = _simd_ops.ops(dtype)
         kernels_x = lambda: native.backward(gy, x, w, False, True, False)  # noqa: E731
@@ -63,13 +96,17 @@ def measure(batch: int, groups: int, i: int, o: int, dtype: torch.dtype, rounds:
         "weight_kernels": kernels_w,
         "weight_blas": lambda: blas_backward(gy, x, w, True, False, True),
     }
+    if steps_too:
+        steps.update(step_weight_kernels=_train_step(x, w, b, gy, "kernels"),
+                     step_weight_blas=_train_step(x, w, b, gy, "blas"))
     # bench's timer: warm-up, calibrated samples, interleaved rounds, medians; nothing pruned.
     times, failed = tuning.measure(steps, "cpu", rounds, min_time, prune=0.0)
     if failed:
         raise RuntimeError(f"bench_simd_blas_grads: B={batch} G={groups} {i}x{o}: {failed}")
     med = {k: round(t * 1e6, 2) for k, t in times.items()}
     return {"batch": batch, "groups": groups, "block_in": i, "block_out": o, "times_us": med,
-            **{f"{g}_blas_over_kernels": round(med[f"{g}_blas"] / med[f"{g}_kernels"], 4) for g in ("input", "weight")}}
+            **{f"{g}_blas_over_kernels": round(med[f"{g}_blas"] / med[f"{g}_kernels"], 4)
+               for g in ("input", "weight", "step_weight") if f"{g}_blas" in med}}
 
 
 def main(argv=None) -> int:
@@ -86,10 +123,12 @@ def main(argv=None) -> int:
         return 2
     rule = {"blas_grads_min_block": _simd_ops.BLAS_GRADS_MIN_BLOCK,
             "blas_weight_grad_min_block": _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK,
-            "blas_weight_grad_max_rows": _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS}
+            "blas_weight_grad_max_rows": _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS,
+            "blas_weight_grad_min_groups": _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS}
     points = [(bsz, g, i, o) for bsz in args.batch for g in args.groups for i, o in args.blocks
               if bsz * g * i * o <= MAX_MACS]
-    runs = {pt: _simd_ops.blas_grads(pt[0], pt[2], pt[3]) for pt in points}  # the rule as the library has it
+    runs = {pt: _simd_ops.blas_grads(*pt) for pt in points}  # the rule as the library has it
+    both_least = _simd_ops.BLAS_GRADS_MIN_BLOCK
     if args.route == "op":
         # Before simd's first call, which builds and loads its C++ ops with these constants.
         _simd_ops.BLAS_GRADS_MIN_BLOCK = _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK = _NEVER
@@ -100,11 +139,15 @@ def main(argv=None) -> int:
         return 2
     rows = []
     for bsz, g, i, o in points:
-        row = measure(bsz, g, i, o, dtype, args.rounds, args.min_time, args.route)
+        # Below BLAS_GRADS_MIN_BLOCK the weight gradient's method is the rule's own choice:
+        # whole training steps with each say what it does to a step.
+        row = measure(bsz, g, i, o, dtype, args.rounds, args.min_time, args.route, steps_too=i * o < both_least)
         row["simd_runs"] = {k: "BLAS" if v else "kernels" for k, v in zip(("input", "weight"), runs[bsz, g, i, o])}
         rows.append(row)
+        step = row.get("step_weight_blas_over_kernels")
         print(f"B={bsz} G={g} {i}x{o}: BLAS/kernels {row['input_blas_over_kernels']:.2f} input gradient, "
-              f"{row['weight_blas_over_kernels']:.2f} weight and bias", flush=True)
+              f"{row['weight_blas_over_kernels']:.2f} weight and bias"
+              + (f", {step:.2f} training step (weight gradient by each)" if step is not None else ""), flush=True)
     doc = {"what": f"simd's gradient kernels (through its {'C++ ops' if args.route == 'op' else 'ctypes wrappers'}) "
                    "against torch's BLAS products of the same gradients (the loop backend's backward), on the same "
                    "operands; medians of interleaved rounds", "route": args.route, **rule,

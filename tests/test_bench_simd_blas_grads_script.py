@@ -22,7 +22,8 @@ def test_bench_simd_blas_grads_tiny_run_writes_its_json(tmp_path):
     d = tiny_script_run("bench_simd_blas_grads.py", tmp_path)
     (row,) = d["rows"]
     assert (row["batch"], row["groups"], row["block_in"], row["block_out"]) == (8, 3, 4, 2)
-    assert set(row["times_us"]) == {"input_kernels", "input_blas", "weight_kernels", "weight_blas"}
+    assert set(row["times_us"]) == {"input_kernels", "input_blas", "weight_kernels", "weight_blas",
+                                    "step_weight_kernels", "step_weight_blas"}  # 4x2 blocks: the steps too
     assert all(v > 0 for v in row["times_us"].values())
     t = row["times_us"]
     assert row["weight_blas_over_kernels"] == pytest.approx(t["weight_blas"] / t["weight_kernels"], rel=1e-2)

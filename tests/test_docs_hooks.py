@@ -109,13 +109,17 @@ def test_the_simd_blas_grads_results_render_every_row(hooks):
     from blockdiag.backends import _simd_ops
 
     assert doc["route"] == "op"  # the kernels as simd calls them, through its C++ ops
-    assert (doc["blas_grads_min_block"], doc["blas_weight_grad_min_block"], doc["blas_weight_grad_max_rows"]) == (
-        _simd_ops.BLAS_GRADS_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS)
+    assert [doc[k] for k in ("blas_grads_min_block", "blas_weight_grad_min_block", "blas_weight_grad_max_rows",
+                             "blas_weight_grad_min_groups")] == [
+        _simd_ops.BLAS_GRADS_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS,
+        _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS]
     for r in doc["rows"]:
-        rule = _simd_ops.blas_grads(r["batch"], r["block_in"], r["block_out"])
+        rule = _simd_ops.blas_grads(r["batch"], r["groups"], r["block_in"], r["block_out"])
         runs = ", ".join("BLAS" if v else "kernels" for v in rule)
         assert (f"| {r['batch']} | {r['groups']} | {r['block_in']}x{r['block_out']} | "
                 f"{r['times_us']['input_kernels']:.0f} |") in text
-        assert f"| {r['weight_blas_over_kernels']:.2f} | {runs} |" in text
+        step = r.get("step_weight_blas_over_kernels")
+        assert ("step_weight_blas" in r["times_us"]) is (r["block_in"] * r["block_out"] < doc["blas_grads_min_block"])
+        assert f"| {r['weight_blas_over_kernels']:.2f} | {'-' if step is None else f'{step:.2f}'} | {runs} |" in text
     for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
         assert f"\n| {label} | " in text

@@ -336,9 +336,8 @@ def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
         by_kernels = (simd._grad_input(cgy, w), *simd._grad_weight(cgy, cx, w.shape, True))
         if kind != "one row broadcast":  # a broadcast gradient sums equal terms: the same in any order
             assert not torch.equal(by_blas[2], by_kernels[2])
-        by_x, by_w = _simd_ops.blas_grads(37, i, o)
-        assert by_x is large and by_w  # 37 rows: the weight gradient is BLAS's from 128x128 on
-        want = by_blas if large else (by_kernels[0], *by_blas[1:])
+        assert _simd_ops.blas_grads(37, 2, i, o) == (large, large)  # 2 groups: no weight rule
+        want = by_blas if large else by_kernels
         for got in (native.backward(gy, x, w, True, True, True),
                     _through_ctypes(simd._kernel_backward, gy, x, w, True, True, True)):
             for name, a, c in zip(("input", "weight", "bias"), got, want):
@@ -358,19 +357,21 @@ def test_large_blocks_take_torchs_blas_gradients_in_both_routes(native, kind):
 
 @pytest.mark.parametrize("kind", ["contiguous", "column slice", "column-major", "one row broadcast"])
 def test_the_weight_gradient_alone_takes_blas_over_few_rows(native, kind):
-    # Below BLAS_GRADS_MIN_BLOCK, at blocks of BLAS_WEIGHT_GRAD_MIN_BLOCK elements or more and
-    # at most BLAS_WEIGHT_GRAD_MAX_ROWS rows, the weight and bias gradients are BLAS's (a bmm,
-    # a sum) and the input gradient the kernels', in both routes; one row more, or one element
-    # fewer, and all three are the kernels'. The bias gradients tell the methods apart (see above).
+    # Below BLAS_GRADS_MIN_BLOCK, at blocks of BLAS_WEIGHT_GRAD_MIN_BLOCK elements or more,
+    # over at most BLAS_WEIGHT_GRAD_MAX_ROWS rows and with BLAS_WEIGHT_GRAD_MIN_GROUPS groups
+    # or more, the weight and bias gradients are BLAS's (a bmm, a sum) and the input gradient
+    # the kernels', in both routes; one row more, one group fewer or one element fewer, and
+    # all three are the kernels'. The bias gradients tell the methods apart (see above).
     from blockdiag.backends.loop import _backward as blas
 
-    rows = _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS
-    assert (_simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, rows) == (128 * 128, 512)
-    cases = (((37, 128, 128), True), ((rows, 128, 128), True), ((rows + 1, 128, 128), False),
-             ((37, 127, 129), False))
-    for (n, i, o), weight_by_blas in cases:
-        assert _simd_ops.blas_grads(n, i, o) == (False, weight_by_blas)
-        x, w, gy = _large_operands(kind, n, 2, i, o)
+    rows, groups = _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS, _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS
+    assert (_simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, rows, groups) == (128 * 128, 256, 16)
+    cases = (((37, groups, 128, 128), True), ((rows, groups, 128, 128), True),
+             ((rows + 1, groups, 128, 128), False), ((37, groups - 1, 128, 128), False),
+             ((37, groups, 127, 129), False))
+    for (n, g, i, o), weight_by_blas in cases:
+        assert _simd_ops.blas_grads(n, g, i, o) == (False, weight_by_blas)
+        x, w, gy = _large_operands(kind, n, g, i, o)
         cx, cgy = simd._cols(x), simd._cols(gy)
         by_blas = blas(cgy, cx, w, True, True, True)
         by_kernels = (simd._grad_input(cgy, w), *simd._grad_weight(cgy, cx, w.shape, True))
@@ -382,7 +383,7 @@ def test_the_weight_gradient_alone_takes_blas_over_few_rows(native, kind):
             for name, a, c in zip(("input", "weight", "bias"), got, want):
                 assert torch.equal(a, c), (name, n, i, o)
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        bd = torch.zeros(2 * o, dtype=torch.float64, requires_grad=True)
+        bd = torch.zeros(g * o, dtype=torch.float64, requires_grad=True)
         ref = torch.autograd.grad(reference_loop(xd, wd, bd), (xd, wd, bd), gy.double())
         for a, r in zip(want, ref):
             torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-3)

@@ -27,7 +27,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS)
+#if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) || \
+    !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_GROUPS)
 #error "BD_BLAS_* are defined by the build command in _simd_ops.py (BLAS_GRADS_MIN_BLOCK, BLAS_WEIGHT_GRAD_*)"
 #endif
 
@@ -148,7 +149,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   // is the rule and says why.
   const bool blas_input = i * o >= BD_BLAS_GRADS_MIN_BLOCK;
   const bool blas_weight =
-      blas_input || (i * o >= BD_BLAS_WEIGHT_GRAD_MIN_BLOCK && n <= BD_BLAS_WEIGHT_GRAD_MAX_ROWS);
+      blas_input || (i * o >= BD_BLAS_WEIGHT_GRAD_MIN_BLOCK && n <= BD_BLAS_WEIGHT_GRAD_MAX_ROWS &&
+                     g >= BD_BLAS_WEIGHT_GRAD_MIN_GROUPS);
   if (need_input && blas_input) {
     gx = at::empty({n, g * i}, gy.options());
     for (int64_t k = 0; k < g; k++) {

@@ -62,29 +62,34 @@ _FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
 # stays simd's at every size.
 BLAS_GRADS_MIN_BLOCK = 256 * 256
 
-# The weight gradient alone (and the bias's, then a ``sum``) is BLAS's from blocks of the
-# first number of elements, at batches of at most the second number of rows: a reduction over
-# that few rows gains nothing from the kernels' register tiles, while BLAS's packed panels
-# still pay at such blocks; over more rows the kernels' long reductions were faster. The input
-# gradient keeps the kernels there, which were faster or level at every such point timed
-# (scripts/bench_simd_blas_grads.py, through the C++ op).
+# The weight gradient alone (and the bias's, then a ``sum``) is BLAS's from blocks of
+# BLAS_WEIGHT_GRAD_MIN_BLOCK elements, over at most BLAS_WEIGHT_GRAD_MAX_ROWS rows, with at
+# least BLAS_WEIGHT_GRAD_MIN_GROUPS groups: a reduction over that few rows gains nothing from
+# the kernels' register tiles while BLAS's packed panels pay at such blocks, and one batched
+# call pays for itself over many groups. Timed as whole training steps (the weight gradient
+# by each method, the rest the same), BLAS was faster or level at every such point and
+# slower with 4 groups or over more rows; the input gradient keeps the kernels there
+# (scripts/bench_simd_blas_grads.py).
 BLAS_WEIGHT_GRAD_MIN_BLOCK = 128 * 128
-BLAS_WEIGHT_GRAD_MAX_ROWS = 512
+BLAS_WEIGHT_GRAD_MAX_ROWS = 256
+BLAS_WEIGHT_GRAD_MIN_GROUPS = 16
 
 
-def blas_grads(rows: int, block_in: int, block_out: int) -> tuple[bool, bool]:
+def blas_grads(rows: int, groups: int, block_in: int, block_out: int) -> tuple[bool, bool]:
     """Whether simd's (input, weight) gradients at this size are BLAS's products, not its kernels'.
 
     The rule both routes follow (``_simd_ops.cpp`` is built with its constants):
-    :data:`BLAS_GRADS_MIN_BLOCK` for both gradients, then :data:`BLAS_WEIGHT_GRAD_MIN_BLOCK`
-    and :data:`BLAS_WEIGHT_GRAD_MAX_ROWS` for the weight gradient alone.
+    :data:`BLAS_GRADS_MIN_BLOCK` for both gradients, then the ``BLAS_WEIGHT_GRAD_*`` constants
+    for the weight gradient alone.
 
-    >>> blas_grads(2048, 256, 256), blas_grads(512, 128, 128), blas_grads(513, 128, 128)
+    >>> blas_grads(2048, 4, 256, 256), blas_grads(256, 16, 128, 128), blas_grads(257, 16, 128, 128)
     ((True, True), (False, True), (False, False))
     """
     area = block_in * block_out
     both = area >= BLAS_GRADS_MIN_BLOCK
-    return both, both or (area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and rows <= BLAS_WEIGHT_GRAD_MAX_ROWS)
+    weight = (area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and rows <= BLAS_WEIGHT_GRAD_MAX_ROWS
+              and groups >= BLAS_WEIGHT_GRAD_MIN_GROUPS)
+    return both, both or weight
 _PREFIX = "torchops-simd-"
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 _LOCK = threading.Lock()
@@ -110,6 +115,7 @@ def _command(cxx: str, out: Path, source: Path) -> list:
     return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DBD_BLAS_GRADS_MIN_BLOCK={BLAS_GRADS_MIN_BLOCK}",
             f"-DBD_BLAS_WEIGHT_GRAD_MIN_BLOCK={BLAS_WEIGHT_GRAD_MIN_BLOCK}",
             f"-DBD_BLAS_WEIGHT_GRAD_MAX_ROWS={BLAS_WEIGHT_GRAD_MAX_ROWS}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MIN_GROUPS={BLAS_WEIGHT_GRAD_MIN_GROUPS}",
             *(f"-I{p}" for p in includes), "-o", str(out),
             "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
 

@@ -763,7 +763,7 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
             pass  # refused: the ctypes wrappers copy or resolve the operands, or say precisely why not
     weight = weight.contiguous()
     gy = _cols(gy)
-    blas_x, blas_w = _simd_ops.blas_grads(gy.shape[0], weight.shape[2], weight.shape[1])
+    blas_x, blas_w = _simd_ops.blas_grads(gy.shape[0], weight.shape[0], weight.shape[2], weight.shape[1])
     if blas_x:
         return _blas_backward(gy, _cols(x), weight, has_bias, need_x, need_w)
     gx = _grad_input(gy, weight) if need_x else None
