@@ -120,6 +120,6 @@ def test_the_simd_blas_grads_results_render_every_row(hooks):
                 f"{r['times_us']['input_kernels']:.0f} |") in text
         step = r.get("step_weight_blas_over_kernels")
         assert ("step_weight_blas" in r["times_us"]) is (r["block_in"] * r["block_out"] < doc["blas_grads_min_block"])
-        assert f"| {r['weight_blas_over_kernels']:.2f} | {'-' if step is None else f'{step:.2f}'} | {runs} |" in text
+        assert f"| {r['weight_blas_over_kernels']:.2f} | {'–' if step is None else f'{step:.2f}'} | {runs} |" in text
     for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
         assert f"\n| {label} | " in text
