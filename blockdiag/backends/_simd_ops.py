@@ -90,6 +90,8 @@ def blas_grads(rows: int, groups: int, block_in: int, block_out: int) -> tuple[b
     weight = (area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and rows <= BLAS_WEIGHT_GRAD_MAX_ROWS
               and groups >= BLAS_WEIGHT_GRAD_MIN_GROUPS)
     return both, both or weight
+
+
 _PREFIX = "torchops-simd-"
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 _LOCK = threading.Lock()
