@@ -168,6 +168,7 @@ BENCH_SUMMARY = (
     ("max_auto_over_fastest", "auto over the fastest backend, worst", "{:.3f}"),
     ("worst_point", "  at", "{}"),
     ("within_1.10", "points where auto is within 1.10 of the fastest", "{}"),
+    ("beyond_1.10_beyond_noise", "points where auto is beyond 1.10 of the fastest beyond the rounds' noise", "{}"),
     ("geomean_choice_over_fastest", "auto's choice forced over the fastest, geometric mean", "{:.3f}"),
     ("choice_within_1.10", "points where auto's choice is within 1.10 of the fastest", "{}"),
     ("geomean_auto_over_choice", "auto over its choice forced by name (the choosing's cost), geometric mean",
@@ -186,6 +187,7 @@ BENCH_SUMMARY = (
     ("geomean_speedup_vs_vmap", "speed-up over vmap ensembling, geometric mean", "{:.2f}x"),
     ("min_speedup_vs_vmap", "speed-up over vmap ensembling, smallest", "{:.2f}x"),
     ("median_fraction_of_ideal", "fraction of the ideal GEMM, median", "{:.0%}"),
+    ("points_with_interval", "points with an interval (paired rounds)", "{}"),
 )
 
 # bench --compiled's summary (tuning.summarize_compiled), per model.

@@ -771,6 +771,14 @@ def cmd_bench(args) -> int:
     if skipped:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
     _print_faults(rows)
+    for r in rows:
+        # auto beyond bench's margin at the medians: the interval says whether that is noise.
+        v, iv = r.get("auto_over_fastest"), r.get("auto_over_fastest_interval")
+        if v is not None and v > 1.10:
+            verdict = ("no interval (too few rounds)" if iv is None else f"interval {iv[0]:.3f}-{iv[1]:.3f}: "
+                       + ("beyond 1.10 beyond the noise" if iv[0] > 1.10 else "within the noise of 1.10"))
+            print(f"auto beyond 1.10 of the fastest ({r['fastest']}): {r['mode']} B={r['batch']} G={r['groups']} "
+                  f"{r['block_in']}x{r['block_out']} {v:.3f}, {verdict}")
     summary = summarize(rows)
     for mode, s in summary.items():
         print(fmt.summary_lines(mode, s))

@@ -696,6 +696,36 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         "slower_than_no_compiled_peer", "compiled_everywhere"}
 
 
+def test_bench_judges_auto_beyond_its_margin_by_the_paired_rounds(tmp_path, capsys, monkeypatch):
+    # A scripted timer: at G=2 auto is 24-27% slower than loop in every round (beyond 1.10
+    # beyond the noise); at G=3 its median is 12% slower but rounds spread from 5% to 30%
+    # (within the noise of the margin).
+    autos = iter([[125, 124, 126, 125, 127, 125, 124, 126, 125, 125],
+                  [105, 130, 112, 109, 125, 111, 108, 128, 113, 112]])
+
+    def fake(steps, device, rounds, min_time, per_round=None, **kw):
+        taken = {n: [100.0] * 10 for n in steps}
+        taken["bmm"] = [200.0] * 10
+        taken["auto"] = [float(v) for v in next(autos)]
+        if per_round is not None:
+            per_round.update(taken)
+        return {n: statistics.median(v) * 1e-6 for n, v in taken.items()}, {}
+
+    monkeypatch.setattr(tuning, "measure", fake)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--batch", "4", "--groups", "2,3", "--blocks", "3x2", "--backends", "loop,bmm",
+                 "--mode", "train", "--no-baselines", "--no-memory", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("auto beyond 1.10 of the fastest (loop): train B=4 G=2 3x2 1.250, interval 1.240-1.260: "
+            "beyond 1.10 beyond the noise") in printed
+    assert ("auto beyond 1.10 of the fastest (loop): train B=4 G=3 3x2 1.120, interval 1.080-1.280: "
+            "within the noise of 1.10") in printed
+    doc = json.loads(out.read_text())
+    assert [r["auto_over_fastest_interval"] for r in doc["rows"]] == [[1.24, 1.26], [1.08, 1.28]]
+    s = doc["summary"]["train"]
+    assert (s["within_1.10"], s["beyond_1.10_beyond_noise"], s["points_with_interval"]) == (0, 1, 2)
+
+
 def test_bench_compiled_judges_each_slower_point_by_its_paired_rounds(tmp_path, capsys, monkeypatch):
     # A scripted timer: at G=2 compiled blockdiag is 4-7% slower than the compiled loop in
     # every round (slower beyond the noise); at G=3 its median is 2% slower but rounds go

@@ -60,11 +60,11 @@ from ._timer import (
 )
 from ._bench import (
     COMPILED_CONTROL,
-    COMPILED_INTERVAL_LEVEL,
     COMPILED_MODELS,
     COMPILED_PEERS,
     COMPILED_TARGETS,
     FAULTS_NOTED,
+    INTERVAL_LEVEL,
     _HeadsLoop,
     _VmapEnsemble,
     bench,

@@ -37,6 +37,16 @@ from ._timer import (
 from ._memory import peak_memory
 
 
+# The coverage of the intervals ``bench`` gives its ratios (:func:`median_interval` of the
+# round-by-round ratios of two steps sampled moments apart): ``auto_over_fastest_interval``
+# per point, and with ``--compiled`` ``compiled_over_best_peer_interval``. A whole interval
+# above a margin is beyond it by more than the run's noise; one holding it is a tie at this
+# many rounds. With bench's defaults (5 rounds, and 5 more for the steps it compares) a point
+# has 10 paired ratios, and the interval runs from the second smallest to the second largest
+# (97.9% coverage).
+INTERVAL_LEVEL = 0.95
+
+
 def bench(
     grid: Grid = BENCH_GRID,
     *,
@@ -126,8 +136,9 @@ def bench(
         # a verdict; those steps get the extra rounds, at every point alike.
         also = ("auto", "auto_kernel", choice, "nn_linear_loop") + ((builtin,) if builtin else ())
         faults: dict[str, float] = {}
+        taken: dict[str, list[float]] = {}
         times, failed = _tuning.measure(steps, device, rounds, min_time, keep=extra, stat=stat, refine=refine,
-                                        refine_also=also, faults=faults)
+                                        refine_also=also, faults=faults, per_round=taken)
         if "auto" in failed or "ideal" in failed:
             raise BlockDiagError(f"bench: {p.describe()}: auto or the ideal GEMM failed: {failed}")
         bt = {n: t for n, t in times.items() if n not in extra}
@@ -146,6 +157,13 @@ def bench(
             skipped={**skipped, **failed},
             table=plan.source,
         )
+        if fastest:
+            # Round by round, auto over the fastest: whether a verdict (within 1.10) holds
+            # beyond the run's noise.
+            paired = [a / f for a, f in zip(taken.get("auto", ()), taken.get(fastest, ()))]
+            iv = median_interval(paired, INTERVAL_LEVEL)
+            if iv is not None:
+                row["auto_over_fastest_interval"] = [round(iv[0], 4), round(iv[1], 4)]
         if choice in bt:
             row["auto_over_choice"] = round(times["auto"] / bt[choice], 4)
         if faults:
@@ -183,6 +201,11 @@ def summarize(rows: Sequence[dict]) -> dict:
             "within_1.10": sum(x <= 1.10 for x in ratios),
             "median_fraction_of_ideal": round(statistics.median(r["fraction_of_ideal"] for r in rs), 4),
         }
+        # The same verdict with each point's interval (rows from before intervals lack it).
+        iv = [r["auto_over_fastest_interval"] for r in rs if "auto_over_fastest_interval" in r]
+        if iv:
+            s["points_with_interval"] = len(iv)
+            s["beyond_1.10_beyond_noise"] = sum(lo > 1.10 for lo, _ in iv)
         # The choice alone: the chosen backend forced by name over the fastest. It leaves out
         # the noise between auto's own samples and the forced ones of the same kernel.
         chosen = [r["times_us"][r["auto"]] / r["times_us"][r["fastest"]] for r in rs if r["auto"] in r["times_us"]]
@@ -254,13 +277,6 @@ COMPILED_TARGETS = {
     "max_compiled_over_best_peer": 1.0,
 }
 
-# The coverage of each point's interval for compiled over the best compiled peer
-# (``compiled_over_best_peer_interval``: :func:`median_interval` of the round-by-round ratios).
-# A point whose whole interval lies above 1 is slower than that peer beyond the run's noise;
-# one whose interval holds 1 is a tie at this many rounds. With bench's defaults (5 rounds,
-# and 5 more for every step of a compiled point) a point has 10 paired ratios, and the
-# interval runs from the second smallest to the second largest (97.9% coverage).
-COMPILED_INTERVAL_LEVEL = 0.95
 
 # ``bench`` (eager and compiled) names the points where a timed step page-faults at least
 # this many times a call: 40 KB of fresh pages a step, where an allocator that keeps what
@@ -620,7 +636,7 @@ def _bench_compiled_point(p, model, forced, bd_names, baselines, rounds, min_tim
             # so a drift of the machine cancels; the interval says whether the point's ratio
             # is apart from 1 by more than the rounds vary.
             paired = [a / b for a, b in zip(taken.get(f"{n}_compiled", ()), taken.get(best_peer, ()))]
-            iv = median_interval(paired, COMPILED_INTERVAL_LEVEL)
+            iv = median_interval(paired, INTERVAL_LEVEL)
             if iv is not None:
                 cp_interval[n] = [round(iv[0], 4), round(iv[1], 4)]
     if faults:
@@ -721,7 +737,7 @@ def summarize_compiled(rows: Sequence[dict]) -> dict:
     over eager and of compiled over the best compiled peer, with their points, the
     geometric-mean speed-up over the best compiled peer, the points where compiled
     blockdiag is slower than that peer; where the rows carry intervals
-    (:data:`COMPILED_INTERVAL_LEVEL`), ``slower_than_best_peer_beyond_noise`` (the points whose
+    (:data:`INTERVAL_LEVEL`), ``slower_than_best_peer_beyond_noise`` (the points whose
     whole interval lies above 1, named in ``slower_beyond_noise_points``, slowest first),
     ``tied_with_best_peer`` (intervals holding 1) and ``points_with_interval``;
     ``targets_met`` (:data:`COMPILED_TARGETS`, the slower-nowhere target judged both on the
