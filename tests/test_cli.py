@@ -696,22 +696,28 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
         "slower_than_no_compiled_peer", "compiled_everywhere"}
 
 
-def test_bench_judges_auto_beyond_its_margin_by_the_paired_rounds(tmp_path, capsys, monkeypatch):
-    # A scripted timer: at G=2 auto is 24-27% slower than loop in every round (beyond 1.10
-    # beyond the noise); at G=3 its median is 12% slower but rounds spread from 5% to 30%
-    # (within the noise of the margin).
-    autos = iter([[125, 124, 126, 125, 127, 125, 124, 126, 125, 125],
-                  [105, 130, 112, 109, 125, 111, 108, 128, 113, 112]])
+def _script_rounds(monkeypatch, step: str, slow: str, series: list) -> None:
+    """``tuning.measure`` scripted over 10 rounds: every step 100 us a round, ``slow`` 200 us,
+    and ``step`` the next list of ``series`` at each call (one call a point)."""
+    it = iter(series)
 
     def fake(steps, device, rounds, min_time, per_round=None, **kw):
         taken = {n: [100.0] * 10 for n in steps}
-        taken["bmm"] = [200.0] * 10
-        taken["auto"] = [float(v) for v in next(autos)]
+        taken[slow] = [200.0] * 10
+        taken[step] = [float(v) for v in next(it)]
         if per_round is not None:
             per_round.update(taken)
         return {n: statistics.median(v) * 1e-6 for n, v in taken.items()}, {}
 
     monkeypatch.setattr(tuning, "measure", fake)
+
+
+def test_bench_judges_auto_beyond_its_margin_by_the_paired_rounds(tmp_path, capsys, monkeypatch):
+    # A scripted timer: at G=2 auto is 24-27% slower than loop in every round (beyond 1.10
+    # beyond the noise); at G=3 its median is 12% slower but rounds spread from 5% to 30%
+    # (within the noise of the margin).
+    _script_rounds(monkeypatch, "auto", "bmm", [[125, 124, 126, 125, 127, 125, 124, 126, 125, 125],
+                                                [105, 130, 112, 109, 125, 111, 108, 128, 113, 112]])
     out = tmp_path / "b.json"
     assert main(["bench", "--batch", "4", "--groups", "2,3", "--blocks", "3x2", "--backends", "loop,bmm",
                  "--mode", "train", "--no-baselines", "--no-memory", "--json", str(out)]) == 0
@@ -730,18 +736,8 @@ def test_bench_compiled_judges_each_slower_point_by_its_paired_rounds(tmp_path, 
     # A scripted timer: at G=2 compiled blockdiag is 4-7% slower than the compiled loop in
     # every round (slower beyond the noise); at G=3 its median is 2% slower but rounds go
     # either way (a tie). The vmap peer is slower than both everywhere.
-    auto_c = iter([[105, 106, 104, 105, 107, 105, 104, 106, 105, 105],
-                   [97, 103, 104, 99, 102, 101, 98, 103, 104, 102]])
-
-    def fake(steps, device, rounds, min_time, per_round=None, **kw):
-        taken = {n: [100.0] * 10 for n in steps}
-        taken["vmap_compiled"] = [200.0] * 10
-        taken["auto_compiled"] = [float(v) for v in next(auto_c)]
-        if per_round is not None:
-            per_round.update(taken)
-        return {n: statistics.median(v) * 1e-6 for n, v in taken.items()}, {}
-
-    monkeypatch.setattr(tuning, "measure", fake)
+    _script_rounds(monkeypatch, "auto_compiled", "vmap_compiled", [[105, 106, 104, 105, 107, 105, 104, 106, 105, 105],
+                                                                   [97, 103, 104, 99, 102, 101, 98, 103, 104, 102]])
     out_json = tmp_path / "c.json"
     assert main(["bench", *TINY, "--compiled", "linear", "--compiler", "aot_eager", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
