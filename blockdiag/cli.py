@@ -605,6 +605,19 @@ def _print_faults(rows) -> None:
                   + " (fresh pages from the allocator every step: see docs/faq.md)")
 
 
+def _print_beyond_margin(rows: Sequence[dict]) -> None:
+    """Each point where auto's median is beyond 1.10 of the fastest backend's, with the interval
+    of its round-by-round ratio: within the noise of that margin or beyond it."""
+    for r in rows:
+        v, iv = r.get("auto_over_fastest"), r.get("auto_over_fastest_interval")
+        if v is None or v <= 1.10:
+            continue
+        verdict = ("no interval (too few rounds)" if iv is None else f"interval {iv[0]:.3f}-{iv[1]:.3f}: "
+                   + ("beyond 1.10 beyond the noise" if iv[0] > 1.10 else "within the noise of 1.10"))
+        print(f"auto beyond 1.10 of the fastest ({r['fastest']}): {r['mode']} B={r['batch']} G={r['groups']} "
+              f"{r['block_in']}x{r['block_out']} {v:.3f}, {verdict}")
+
+
 def _print_slower_points(rows: Sequence[dict], names: Sequence[str]) -> None:
     """Each point where a compiled blockdiag module's median is slower than the best compiled
     peer's, with the interval of its round-by-round ratio: a tie or slower beyond the noise."""
@@ -771,14 +784,7 @@ def cmd_bench(args) -> int:
     if skipped:
         print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
     _print_faults(rows)
-    for r in rows:
-        # auto beyond bench's margin at the medians: the interval says whether that is noise.
-        v, iv = r.get("auto_over_fastest"), r.get("auto_over_fastest_interval")
-        if v is not None and v > 1.10:
-            verdict = ("no interval (too few rounds)" if iv is None else f"interval {iv[0]:.3f}-{iv[1]:.3f}: "
-                       + ("beyond 1.10 beyond the noise" if iv[0] > 1.10 else "within the noise of 1.10"))
-            print(f"auto beyond 1.10 of the fastest ({r['fastest']}): {r['mode']} B={r['batch']} G={r['groups']} "
-                  f"{r['block_in']}x{r['block_out']} {v:.3f}, {verdict}")
+    _print_beyond_margin(rows)
     summary = summarize(rows)
     for mode, s in summary.items():
         print(fmt.summary_lines(mode, s))
