@@ -202,6 +202,7 @@ ACTIVATIONS = [
     pytest.param(nn.ReLU, id="relu"), pytest.param(lambda: nn.LeakyReLU(0.3), id="leaky"),
     pytest.param(nn.SiLU, id="silu"), pytest.param(nn.Tanh, id="tanh"), pytest.param(nn.Sigmoid, id="sigmoid"),
     pytest.param(nn.GELU, id="gelu-not-in-place"),
+    pytest.param(lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.0), nn.Tanh()), id="relu-dropout-tanh"),
 ]
 
 
@@ -238,6 +239,27 @@ def test_in_place_activations_agree_with_the_layers(strategy, activation, mode, 
         gb = torch.autograd.grad((yb * r).sum(), [x, *b.parameters()])
         for u, v in zip(ga, gb):
             torch.testing.assert_close(u, v, **F64)
+
+
+def test_a_sequential_activation_is_in_place_only_after_torch_nn_steps():
+    # A step of the caller's own may return a tensor it keeps: the step after it must not
+    # overwrite that tensor; after a torch.nn step (here Identity, which returns its
+    # input) the tensor is the chain's own and may be overwritten.
+    from blockdiag.nn.mlp import _in_place
+
+    class Kept(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kept = torch.full((2, 3), -1.0)
+
+        def forward(self, h):
+            return self.kept
+
+    kept = Kept()
+    out = _in_place(nn.Sequential(kept, nn.ReLU()))(torch.randn(2, 3))
+    assert torch.equal(kept.kept, torch.full((2, 3), -1.0)) and torch.equal(out, torch.zeros(2, 3))
+    h = torch.full((2, 3), -2.0)
+    assert _in_place(nn.Sequential(nn.Identity(), nn.ReLU()))(h) is h and torch.equal(h, torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("strategy", ["fm_chain", "heads"])

@@ -298,6 +298,77 @@ def test_from_heads_refuses_activations_it_cannot_group(act, match):
         GroupedMLP(6, 3, 2, heads=3, activation=act)
 
 
+def _dropout_heads(n=3):
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Dropout(0.5), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+        for _ in range(n)
+    ).double()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_from_heads_groups_several_elementwise_modules_between_linears(strategy):
+    # The common head ``Linear, ReLU, Dropout, Linear``: the modules between two Linears
+    # become one nn.Sequential activation, and to_heads writes them back one by one.
+    heads = _dropout_heads().eval()
+    model = GroupedMLP.from_heads(heads, strategy=strategy).eval()
+    assert type(model.activations[0]) is nn.Sequential and isinstance(model.activations[1], nn.Tanh)
+    assert [type(m) for m in model.activations[0]] == [nn.ReLU, nn.Dropout]
+    x = torch.randn(7, 6, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = model(xa), torch.cat([h(xb) for h in heads], -1)
+    torch.testing.assert_close(y, yr)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (yr * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for k, layer in enumerate(model.layers):
+        for h, head in enumerate(heads):
+            lin = [m for m in head if isinstance(m, nn.Linear)][k]
+            torch.testing.assert_close(layer.weight.grad.reshape(3, *lin.weight.shape)[h], lin.weight.grad)
+    back = model.to_heads()
+    assert [type(m) for m in back[0]] == [type(m) for m in heads[0]]
+    assert back[0][2].p == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([h.eval()(x) for h in back], -1), yr)
+    assert [type(m) for m in GroupedMLP.from_heads(back).activations[0]] == [nn.ReLU, nn.Dropout]
+
+
+def test_dropout_between_linears_trains_as_dropout():
+    # In training the grouped Dropout drops hidden units as each head's would: with p=1
+    # every hidden unit is dropped and each head's output is its last bias alone.
+    heads = _dropout_heads()
+    for head in heads:
+        head[2].p = 1.0
+    model = GroupedMLP.from_heads(heads).train()
+    y = model(torch.randn(4, 6, dtype=torch.float64))
+    last = torch.cat([h[-1](torch.tanh(h[3].bias)) for h in heads]).expand(4, -1)
+    torch.testing.assert_close(y, last.detach())
+
+
+def test_a_hook_inside_a_sequential_activation_stops_the_chain():
+    model = GroupedMLP.from_heads(_dropout_heads()).eval()
+    seen = []
+    model.activations[0][0].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    model(torch.randn(7, 6, dtype=torch.float64))
+    assert seen == [(7, 15)]  # the layers' layout, [batch, heads * hidden]
+    with pytest.raises(BlockDiagError, match=r"strategy='fm_chain' cannot run: activations\[0\] has hooks"):
+        model.strategy = "fm_chain"
+        model(torch.randn(7, 6, dtype=torch.float64))
+
+
+def test_a_sequential_activation_must_hold_element_wise_modules():
+    with pytest.raises(BlockDiagError, match=r"activation\(\) after hidden layer 0\[1\] is Softmax.*not element-wise"):
+        GroupedMLP(6, 3, 2, heads=3, activation=lambda: nn.Sequential(nn.ReLU(), nn.Softmax(-1)))
+    with pytest.raises(BlockDiagError, match=r"activation\(\) after hidden layer 0 is an empty nn.Sequential"):
+        GroupedMLP(6, 3, 2, heads=3, activation=nn.Sequential)
+    heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), nn.ReLU(), nn.LayerNorm(3), nn.Linear(3, 2)) for _ in range(2))
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\] is LayerNorm.*holds parameters"):
+        GroupedMLP.from_heads(heads)
+    with pytest.raises(BlockDiagError, match=r"got \(Linear, Linear\)"):
+        GroupedMLP.from_heads([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))])
+
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

@@ -62,6 +62,13 @@ def _not_elementwise_base(act: object) -> Optional[type]:
 
 def _check_activation(fn: str, act: object, where: str) -> None:
     check(fn, isinstance(act, nn.Module), f"{where} must be an nn.Module, got {type(act).__name__}")
+    if type(act) is nn.Sequential:
+        # Several element-wise modules in a row (``ReLU`` then ``Dropout``) are element-wise:
+        # a head's ``Linear, ReLU, Dropout, Linear`` groups with one such Sequential.
+        check(fn, len(act) > 0, f"{where} is an empty nn.Sequential")
+        for k, m in enumerate(act):
+            _check_activation(fn, m, f"{where}[{k}]")
+        return
     state = [n for n, _ in act.named_parameters()] + [n for n, _ in act.named_buffers()]
     check(
         fn,
@@ -104,8 +111,29 @@ _IN_PLACE: dict[type, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tenso
 
 def _in_place(act: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``act`` as a function that overwrites its input where it has an in-place form, else ``act``."""
+    if type(act) is nn.Sequential and not _act_hooked(act):
+        # A step's input is a tensor the chain owns when it is the hidden product or what a
+        # torch.nn step returned (its input, overwritten or not, or a new tensor); a module
+        # of the caller's own might return a tensor it keeps, so the step after it is not
+        # made in place.
+        steps, owned = [], True
+        for m in act:
+            steps.append(_in_place(m) if owned else m)
+            owned = _is_torch_nn(type(m))
+
+        def run(h: torch.Tensor) -> torch.Tensor:
+            for step in steps:
+                h = step(h)
+            return h
+
+        return run
     make = _IN_PLACE.get(type(act))
     return act if make is None else make(act)
+
+
+def _act_hooked(act: nn.Module) -> bool:
+    """Whether ``act`` or a module inside it (a Sequential's steps) has hooks."""
+    return _hooked(act) or (bool(act._modules) and any(_hooked(m) for m in act.modules()))
 
 # One C call for "is autocast on anywhere?" (private API, hence optional).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -312,7 +340,8 @@ class GroupedMLP(nn.Module):
         heads: number of independent heads.
         activation: a factory (class or callable) of the activation module after each
             hidden layer: stateless and element-wise (``ELEMENTWISE_ACTIVATIONS`` lists the
-            torch.nn ones accepted).
+            torch.nn ones accepted), or an ``nn.Sequential`` of such modules
+            (``lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.1))``).
         bias: learn biases.
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name for every layer (settable later).
@@ -498,7 +527,7 @@ class GroupedMLP(nn.Module):
             if b is not None and (not _plain(b, traced) or b.dtype != dt):
                 return f"layers[{k}].bias is not a plain tensor parameter of the input's dtype"
         for k, act in enumerate(self._modules["activations"]._modules.values()):
-            if _hooked(act):
+            if _act_hooked(act):
                 return f"activations[{k}] has hooks, which would see {activation_sees}"
         return None
 
@@ -562,7 +591,7 @@ class GroupedMLP(nn.Module):
                 mask |= bit
             bit <<= 1
         for act in self._modules["activations"]._modules.values():
-            if act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks:
+            if _act_hooked(act):
                 return "layers"
         # The epoch (blockdiag.dispatch's: settings, profile, registry, thread count) moves
         # whenever the table's answer may change, so an entry is never checked, only looked up.
@@ -865,9 +894,10 @@ class GroupedMLP(nn.Module):
         Args:
             heads: a non-empty sequence (or ``nn.ModuleList``) of ``nn.Sequential`` modules
                 of identical structure: ``Linear``, then any number of (activation, ``Linear``)
-                pairs; all Linear shapes, bias flags, devices and dtypes equal across heads,
-                and the same stateless element-wise activation (type and settings) at each
-                position.
+                pairs, where an activation is one or more stateless element-wise modules
+                (``ReLU``, or ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``
+                in ``activations``); all Linear shapes, bias flags, devices and dtypes equal
+                across heads, and the same modules (type and settings) at each position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
             strategy: for the new model (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
@@ -887,11 +917,12 @@ class GroupedMLP(nn.Module):
         check(fn, len(heads) > 0, "heads is empty")
         ref = list(heads[0]) if isinstance(heads[0], nn.Sequential) else None
         check(fn, ref is not None, f"heads[0] must be an nn.Sequential, got {type(heads[0]).__name__}")
+        at = [k for k, m in enumerate(ref) if isinstance(m, nn.Linear)]
         check(
             fn,
-            len(ref) % 2 == 1 and all(isinstance(m, nn.Linear) for m in ref[::2])
-            and not any(isinstance(m, nn.Linear) for m in ref[1::2]),
-            "heads[0] must be Sequential(Linear, act, Linear, ..., act, Linear), got "
+            bool(at) and at[0] == 0 and at[-1] == len(ref) - 1 and all(b - a > 1 for a, b in zip(at, at[1:])),
+            "heads[0] must be Sequential(Linear, act, Linear, ..., act, Linear), where each act is "
+            "one or more element-wise modules (ReLU, or ReLU then Dropout), got "
             + "(" + ", ".join(type(m).__name__ for m in ref) + ")",
         )
         for h, head in enumerate(heads):
@@ -930,7 +961,7 @@ class GroupedMLP(nn.Module):
                         f"heads[{h}][{k}] is {m!r} but heads[0][{k}] is {r!r}",
                     )
         refuse_sharded(fn, nn.ModuleList(heads), "heads.")  # DTensor heads: gather them first
-        lins0 = ref[::2]
+        lins0 = [ref[k] for k in at]
         bias = lins0[0].bias is not None
         check(
             fn,
@@ -944,10 +975,13 @@ class GroupedMLP(nn.Module):
             bias=bias, shared_input=shared_input, backend=backend, strategy=strategy,
             device=w0.device, dtype=w0.dtype,
         )
-        model.activations = nn.ModuleList(copy.deepcopy(m) for m in ref[1::2])
+        # The modules between two Linears: one is the activation itself, several one
+        # nn.Sequential (to_heads writes them back one by one).
+        between = [[copy.deepcopy(m) for m in ref[a + 1:b]] for a, b in zip(at, at[1:])]
+        model.activations = nn.ModuleList(ms[0] if len(ms) == 1 else nn.Sequential(*ms) for ms in between)
         with torch.no_grad():
             for k, layer in enumerate(model.layers):
-                lins = [list(head)[2 * k] for head in heads]
+                lins = [list(head)[at[k]] for head in heads]
                 layer.weight.copy_(torch.stack([lin.weight for lin in lins]).reshape(layer.weight.shape))
                 if bias:
                     layer.bias.copy_(torch.cat([lin.bias for lin in lins]))
@@ -981,7 +1015,10 @@ class GroupedMLP(nn.Module):
                         lin.bias.copy_(layer.bias[h * o:(h + 1) * o])
                 mods.append(lin)
                 if k < len(self.activations):
-                    mods.append(copy.deepcopy(self.activations[k]))
+                    act = copy.deepcopy(self.activations[k])
+                    # A Sequential of activations (from_heads' ReLU then Dropout) goes back
+                    # into the head as its modules, as the head it came from had them.
+                    mods.extend(act if type(act) is nn.Sequential else (act,))
             out.append(nn.Sequential(*mods))
         return out
 
