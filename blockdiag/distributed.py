@@ -331,6 +331,7 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
             backend=model.backend, strategy=model.strategy, device=w.device, dtype=w.dtype,
         )
         plain.activations = copy.deepcopy(model.activations)
+        plain.output_activation = copy.deepcopy(model._modules.get("output_activation"))
     elif isinstance(model, GroupedLinear):
         w = state["weight"]
         plain = GroupedLinear(

@@ -369,6 +369,51 @@ def test_a_sequential_activation_must_hold_element_wise_modules():
         GroupedMLP.from_heads([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))])
 
 
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_from_heads_takes_an_activation_after_the_last_linear(strategy):
+    # An RL actor's heads end with Tanh: it becomes output_activation, and to_heads puts it
+    # back at the end of every head.
+    torch.manual_seed(0)
+    heads = nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2), nn.Tanh(), nn.Dropout(0.1)) for _ in range(3)
+    ).double().eval()
+    model = GroupedMLP.from_heads(heads, strategy=strategy).eval()
+    assert [type(m) for m in model.output_activation] == [nn.Tanh, nn.Dropout]
+    x = torch.randn(2, 7, 6, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = model(xa), torch.cat([h(xb) for h in heads], -1)
+    torch.testing.assert_close(y, yr)
+    assert y.abs().max() < 1  # the Tanh ran
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (yr * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    back = model.to_heads()
+    assert [type(m) for m in back[1]] == [type(m) for m in heads[1]]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([h.eval()(x) for h in back], -1), yr)
+    one = GroupedMLP.from_heads(nn.ModuleList(nn.Sequential(nn.Linear(4, 2), nn.Sigmoid()) for _ in range(2)))
+    assert isinstance(one.output_activation, nn.Sigmoid) and len(one.layers) == 1
+
+
+def test_output_activation_argument():
+    torch.manual_seed(0)
+    plain = GroupedMLP(6, 5, 2, heads=3, dtype=torch.float64)
+    assert plain.output_activation is None and "output_activation" not in dict(plain.named_children())
+    squashed = GroupedMLP(6, 5, 2, heads=3, output_activation=nn.Sigmoid, dtype=torch.float64)
+    squashed.load_state_dict(plain.state_dict())  # stateless: the same checkpoint loads
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(squashed(x), torch.sigmoid(plain(x)))
+    gathered = blockdiag.distributed.gather_model(squashed)
+    torch.testing.assert_close(gathered(x), squashed(x))
+    seen = []
+    squashed.output_activation.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    squashed(x)
+    assert seen == [(4, 6)]
+    with pytest.raises(BlockDiagError, match=r"output_activation\(\) is Softmax.*not element-wise"):
+        GroupedMLP(6, 5, 2, heads=3, output_activation=lambda: nn.Softmax(-1))
+
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

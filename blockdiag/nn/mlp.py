@@ -342,6 +342,10 @@ class GroupedMLP(nn.Module):
             hidden layer: stateless and element-wise (``ELEMENTWISE_ACTIVATIONS`` lists the
             torch.nn ones accepted), or an ``nn.Sequential`` of such modules
             (``lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.1))``).
+        output_activation: None (the default: the heads end with their last Linear), or a
+            factory of the same kind for a module applied to every head's output (an RL
+            actor's ``nn.Tanh``). It runs on ``[..., heads * out]``, so it must be
+            element-wise as well.
         bias: learn biases.
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name for every layer (settable later).
@@ -362,6 +366,7 @@ class GroupedMLP(nn.Module):
         heads: int,
         *,
         activation: Callable[[], nn.Module] = nn.ReLU,
+        output_activation: Optional[Callable[[], nn.Module]] = None,
         bias: bool = True,
         shared_input: bool = True,
         backend: str = "auto",
@@ -394,6 +399,11 @@ class GroupedMLP(nn.Module):
         for k, act in enumerate(acts):
             _check_activation(fn, act, f"activation() after hidden layer {k}")
         self.activations = nn.ModuleList(acts)
+        out_act = None
+        if output_activation is not None:
+            out_act = output_activation()
+            _check_activation(fn, out_act, "output_activation()")
+        self.output_activation = out_act
         self.backend = backend
         self.strategy = strategy
         self._decisions: dict = {}
@@ -444,12 +454,14 @@ class GroupedMLP(nn.Module):
                 ``strategy="fm_chain"`` or ``"heads"`` on a model it cannot run (see the class docstring).
         """
         try:
-            return self._forward(x)
+            y = self._forward(x)
         except Exception:
             # The clear error for a sparse, nested or non-tensor input, which fails inside
             # first (no per-call check: a try costs nothing until it raises).
             check_operand_kinds(type(self).__name__, input=x)
             raise
+        out = self._modules.get("output_activation")
+        return y if out is None else out(y)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         n_in = self.in_features if self.shared_input else self.in_features * self.heads
@@ -894,10 +906,11 @@ class GroupedMLP(nn.Module):
         Args:
             heads: a non-empty sequence (or ``nn.ModuleList``) of ``nn.Sequential`` modules
                 of identical structure: ``Linear``, then any number of (activation, ``Linear``)
-                pairs, where an activation is one or more stateless element-wise modules
-                (``ReLU``, or ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``
-                in ``activations``); all Linear shapes, bias flags, devices and dtypes equal
-                across heads, and the same modules (type and settings) at each position.
+                pairs, then optionally an activation (``output_activation``), where an
+                activation is one or more stateless element-wise modules (``ReLU``, or
+                ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``); all Linear
+                shapes, bias flags, devices and dtypes equal across heads, and the same
+                modules (type and settings) at each position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
             strategy: for the new model (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
@@ -920,9 +933,9 @@ class GroupedMLP(nn.Module):
         at = [k for k, m in enumerate(ref) if isinstance(m, nn.Linear)]
         check(
             fn,
-            bool(at) and at[0] == 0 and at[-1] == len(ref) - 1 and all(b - a > 1 for a, b in zip(at, at[1:])),
-            "heads[0] must be Sequential(Linear, act, Linear, ..., act, Linear), where each act is "
-            "one or more element-wise modules (ReLU, or ReLU then Dropout), got "
+            bool(at) and at[0] == 0 and all(b - a > 1 for a, b in zip(at, at[1:])),
+            "heads[0] must be Sequential(Linear, act, Linear, ..., act, Linear[, act]), where each "
+            "act is one or more element-wise modules (ReLU, or ReLU then Dropout), got "
             + "(" + ", ".join(type(m).__name__ for m in ref) + ")",
         )
         for h, head in enumerate(heads):
@@ -977,8 +990,10 @@ class GroupedMLP(nn.Module):
         )
         # The modules between two Linears: one is the activation itself, several one
         # nn.Sequential (to_heads writes them back one by one).
-        between = [[copy.deepcopy(m) for m in ref[a + 1:b]] for a, b in zip(at, at[1:])]
+        between = [[copy.deepcopy(m) for m in ref[a + 1:b]] for a, b in zip(at, at[1:] + [len(ref)])]
+        last = between.pop()  # after the last Linear: the output activation, if any
         model.activations = nn.ModuleList(ms[0] if len(ms) == 1 else nn.Sequential(*ms) for ms in between)
+        model.output_activation = None if not last else last[0] if len(last) == 1 else nn.Sequential(*last)
         with torch.no_grad():
             for k, layer in enumerate(model.layers):
                 lins = [list(head)[at[k]] for head in heads]
@@ -994,7 +1009,7 @@ class GroupedMLP(nn.Module):
         3
 
         Returns:
-            an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear)``
+            an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear[, act])``
                 (activations deep-copied) on this model's device and dtype.
 
         Raises:
@@ -1019,6 +1034,10 @@ class GroupedMLP(nn.Module):
                     # A Sequential of activations (from_heads' ReLU then Dropout) goes back
                     # into the head as its modules, as the head it came from had them.
                     mods.extend(act if type(act) is nn.Sequential else (act,))
+            out_act = self._modules.get("output_activation")
+            if out_act is not None:
+                out_act = copy.deepcopy(out_act)
+                mods.extend(out_act if type(out_act) is nn.Sequential else (out_act,))
             out.append(nn.Sequential(*mods))
         return out
 
