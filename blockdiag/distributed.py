@@ -327,7 +327,7 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
         w = state["layers.0.weight"]
         plain = GroupedMLP(
             model.in_features, list(model.hidden_features), model.out_features, model.heads,
-            bias=model.layers[0].bias is not None, shared_input=model.shared_input,
+            bias=[layer.bias is not None for layer in model.layers], shared_input=model.shared_input,
             backend=model.backend, strategy=model.strategy, device=w.device, dtype=w.dtype,
         )
         plain.activations = copy.deepcopy(model.activations)

@@ -414,6 +414,50 @@ def test_output_activation_argument():
         GroupedMLP(6, 5, 2, heads=3, output_activation=lambda: nn.Softmax(-1))
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "split"])
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_from_heads_with_a_bias_on_some_layers_only(strategy, shared):
+    # A head whose last Linear has no bias (or whose first has none): GroupedMLP takes one
+    # bias flag per layer, and each strategy runs each layer with or without its bias.
+    torch.manual_seed(0)
+    heads = nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 5, bias=False), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2, bias=False))
+        for _ in range(3)
+    ).double()
+    model = GroupedMLP.from_heads(heads, strategy=strategy, shared_input=shared)
+    assert [layer.bias is not None for layer in model.layers] == [False, True, False]
+    x = torch.randn(7, 6 if shared else 18, dtype=torch.float64)
+
+    def ref(x):
+        if shared:
+            return torch.cat([h(x) for h in heads], -1)
+        return torch.cat([h(x[:, 6 * k:6 * (k + 1)]) for k, h in enumerate(heads)], -1)
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = model(xa), ref(xb)
+    torch.testing.assert_close(y, yr)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (yr * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(model.layers[1].bias.grad, torch.cat([h[2].bias.grad for h in heads]))
+    back = model.to_heads()
+    assert [m.bias is not None for m in back[0] if isinstance(m, nn.Linear)] == [False, True, False]
+    for a, b in zip(back, heads):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+    torch.testing.assert_close(blockdiag.distributed.gather_model(model)(x), y)
+
+
+def test_bias_flags_per_layer_are_checked():
+    assert GroupedMLP(6, [5], 2, heads=3, bias=(True, False)).layers[1].bias is None
+    with pytest.raises(BlockDiagError, match=r"bias must be a bool or one bool per layer \(2 layers\), got \[True\]"):
+        GroupedMLP(6, [5], 2, heads=3, bias=[True])
+    with pytest.raises(BlockDiagError, match=r"bias must be a bool or one bool per layer \(3 layers\), got \(True, False\)"):
+        GroupedMLP(6, [5, 4], 2, heads=3, bias=(True, False))
+    assert GroupedMLP(6, [5], 2, heads=3, bias=0).layers[0].bias is None  # truthiness, as nn.Linear's
+
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

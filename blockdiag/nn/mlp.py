@@ -346,7 +346,8 @@ class GroupedMLP(nn.Module):
             factory of the same kind for a module applied to every head's output (an RL
             actor's ``nn.Tanh``). It runs on ``[..., heads * out]``, so it must be
             element-wise as well.
-        bias: learn biases.
+        bias: learn biases: one bool for every layer, or one per layer (``[True, False]``
+            for a last layer without bias).
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name for every layer (settable later).
         strategy: ``"auto"``, ``"layers"`` or ``"fm_chain"`` (settable later), see above.
@@ -367,7 +368,7 @@ class GroupedMLP(nn.Module):
         *,
         activation: Callable[[], nn.Module] = nn.ReLU,
         output_activation: Optional[Callable[[], nn.Module]] = None,
-        bias: bool = True,
+        bias: bool | Sequence[bool] = True,
         shared_input: bool = True,
         backend: str = "auto",
         strategy: str = "auto",
@@ -388,12 +389,21 @@ class GroupedMLP(nn.Module):
         self.heads = heads
         self.shared_input = shared_input
         factory = {"device": device, "dtype": dtype}
+        # As for nn.Linear, any truthy value means a bias; a list or tuple gives one per layer.
+        biases = [bool(b) for b in bias] if isinstance(bias, (list, tuple)) else [bool(bias)] * (len(sizes) - 1)
+        check(
+            fn,
+            len(biases) == len(sizes) - 1,
+            f"bias must be a bool or one bool per layer ({len(sizes) - 1} layers), got {bias!r}",
+        )
         layers = []
         for k in range(len(sizes) - 1):
             if k == 0 and shared_input:
-                layers.append(GroupedLinear(sizes[0], heads * sizes[1], 1, bias, backend=backend, **factory))
+                layers.append(GroupedLinear(sizes[0], heads * sizes[1], 1, biases[k], backend=backend, **factory))
             else:
-                layers.append(GroupedLinear(heads * sizes[k], heads * sizes[k + 1], heads, bias, backend=backend, **factory))
+                layers.append(
+                    GroupedLinear(heads * sizes[k], heads * sizes[k + 1], heads, biases[k], backend=backend, **factory)
+                )
         self.layers = nn.ModuleList(layers)
         acts = [activation() for _ in hidden]
         for k, act in enumerate(acts):
@@ -975,12 +985,7 @@ class GroupedMLP(nn.Module):
                     )
         refuse_sharded(fn, nn.ModuleList(heads), "heads.")  # DTensor heads: gather them first
         lins0 = [ref[k] for k in at]
-        bias = lins0[0].bias is not None
-        check(
-            fn,
-            all((lin.bias is not None) == bias for lin in lins0),
-            "all Linear layers of a head must agree on bias (all with or all without)",
-        )
+        bias = [lin.bias is not None for lin in lins0]
         sizes = [lins0[0].in_features] + [lin.out_features for lin in lins0]
         w0 = lins0[0].weight
         model = cls(
@@ -998,7 +1003,7 @@ class GroupedMLP(nn.Module):
             for k, layer in enumerate(model.layers):
                 lins = [list(head)[at[k]] for head in heads]
                 layer.weight.copy_(torch.stack([lin.weight for lin in lins]).reshape(layer.weight.shape))
-                if bias:
+                if bias[k]:
                     layer.bias.copy_(torch.cat([lin.bias for lin in lins]))
         return model
 
