@@ -379,6 +379,52 @@ def test_unusable_compiler_or_library_is_reported_not_raised(stub_env, monkeypat
     assert not list(stub_env.parent.parent.rglob("*.tmp"))  # a failed build leaves nothing behind
 
 
+@needs_cc
+def test_a_half_written_library_from_a_compiler_that_exits_0_is_refused_not_mapped(tmp_path):
+    # A compiler (or a wrapper around one) that leaves half its output and exits 0: the
+    # loader would map segments past the file's end, and the first touch killed the whole
+    # process with SIGBUS. The build must be refused with the reason, in a fresh process.
+    wrapper = tmp_path / "truncating-cc"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        f'{shutil.which(os.environ.get("CC") or "cc")} "$@" || exit $?\n'
+        'size=$(wc -c < "$out"); head -c $((size / 2)) "$out" > "$out.half" && mv "$out.half" "$out"\n'
+        "exit 0\n"
+    )
+    wrapper.chmod(0o700)
+    env = {**os.environ, "CC": str(wrapper), "CXX": str(tmp_path / "no-cxx"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    code = textwrap.dedent("""
+        import torch, blockdiag
+        from blockdiag.backends import get
+        print(get("simd").unavailable_reason())
+        y = blockdiag.grouped_linear(torch.randn(8, 16), torch.randn(4, 4, 4), None, backend="auto")
+        print(tuple(y.shape))
+    """)
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 180, "a half-written library", env=env)
+    assert rc == 0, (rc, err[-2000:])
+    assert "exited 0 but its output is an ELF file cut short" in out and "(8, 16)" in out, out
+
+
+@needs_cc
+def test_incomplete_elf_names_what_is_cut_short():
+    why = get("simd").unavailable_reason()
+    if why is not None:
+        pytest.skip(f"simd unavailable: {why}")
+    data = next(simd.kernel_dir().glob("simd-*.so")).read_bytes()
+    body = data[:len(data) - simd._RECORD.size]
+    assert simd._incomplete_elf(body) is None
+    assert "header tables end past" in simd._incomplete_elf(body[:len(body) // 2])
+    assert "no complete header" in simd._incomplete_elf(body[:40])
+    assert simd._incomplete_elf(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # not ELF: the loader decides
+    # The section table intact but a segment past the end: each program header is checked.
+    phoff = int.from_bytes(body[0x20:0x28], "little")
+    cut = bytearray(body)
+    cut[phoff + 8:phoff + 16] = (len(body)).to_bytes(8, "little")  # segment 0 starts at the end
+    cut[phoff + 32:phoff + 40] = (16).to_bytes(8, "little")
+    assert "segment 0 ends at byte" in simd._incomplete_elf(bytes(cut))
+
+
 # --- item 10: no planted library is ever loaded ---------------------------------------------
 
 @needs_cc

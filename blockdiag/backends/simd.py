@@ -321,6 +321,39 @@ def _damage(data: bytes) -> Optional[str]:
         return f"is damaged: {len(data) - _RECORD.size} bytes where {size} were built"
     if hashlib.sha256(memoryview(data)[:size]).digest() != digest:
         return "is damaged: its content hash differs from the one recorded when it was built"
+    return _incomplete_elf(memoryview(data)[:size].tobytes())
+
+
+def _incomplete_elf(data: bytes) -> Optional[str]:
+    """Why the ELF file ``data`` is cut short (a table or segment past its end), or None.
+
+    The loader maps segments by the offsets in the headers: one past the end of the file is
+    mapped past it, and the first touch kills the process (SIGBUS). A compiler that exits 0
+    after writing part of its output (a full disk, a broken wrapper) leaves such a file.
+    Not ELF (another platform's format): None, the loader's own checks apply.
+    """
+    if data[:4] != b"\x7fELF":
+        return None
+    if len(data) < 64 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return f"is an ELF file of {len(data)} bytes with no complete header"
+    end = "<" if data[5] == 1 else ">"
+    if data[4] == 2:  # 64-bit
+        phoff, shoff = struct.unpack_from(end + "QQ", data, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x36)
+        seg = struct.Struct(end + "8xQ16xQ")  # p_offset, p_filesz
+    else:
+        phoff, shoff = struct.unpack_from(end + "II", data, 0x1C)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x2A)
+        seg = struct.Struct(end + "4xI8xI")
+    size = len(data)
+    if phoff + phnum * phentsize > size or (shoff and shoff + shnum * shentsize > size):
+        return f"is an ELF file cut short: its header tables end past its {size} bytes"
+    if phnum and phentsize < seg.size:
+        return f"is an ELF file with program headers of {phentsize} bytes"
+    for k in range(phnum):
+        offset, filesz = seg.unpack_from(data, phoff + k * phentsize)
+        if offset + filesz > size:
+            return f"is an ELF file cut short: segment {k} ends at byte {offset + filesz} of {size}"
     return None
 
 
@@ -358,6 +391,9 @@ def _install(built: Path, target: Path, cmd: list) -> Optional[str]:
     data = built.read_bytes()
     if not data:
         return f"the compiler {cmd[0]} exited 0 but produced no library ({' '.join(cmd)})"
+    why = _incomplete_elf(data)
+    if why is not None:
+        return f"the compiler {cmd[0]} exited 0 but its output {why} ({' '.join(cmd)})"
     with open(built, "ab") as f:
         f.write(_record(data))
         f.flush()
