@@ -409,7 +409,7 @@ def _functions(entry: OpEntry) -> None:
         @staticmethod
         def forward(ctx, x, weight, bias):
             _setup(ctx, (x, weight, bias), None)
-            return entry.forward(x, weight, bias)
+            return _own(entry.forward(x, weight, bias), x, weight, bias)
 
         @staticmethod
         def backward(ctx, gy):
@@ -431,7 +431,8 @@ def _functions(entry: OpEntry) -> None:
         def forward(ctx, x, weight, bias, keyset):
             _setup(ctx, (x, weight, bias), None)
             with torch._C._AutoDispatchBelowAutograd():
-                return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+                y = entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
+            return _own(y, x, weight, bias)
 
         @staticmethod
         def backward(ctx, gy):
@@ -461,6 +462,24 @@ def _functions(entry: OpEntry) -> None:
     entry._eager_fn, entry._op_fn, entry._py_fn = (
         _named(cls, f"{name}_{suffix}") for cls, suffix in ((Eager, "Eager"), (OpAutograd, "Op"), (Functorch, "Func"))
     )
+
+
+def _own(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y`` as a tensor of its own, not a view, for a Function to return.
+
+    A kernel may return a view of its own work tensor (a permuted product reshaped, any
+    reshape of an empty one). Returned from a Function, autograd refuses to let the caller
+    change it in place (``nn.ReLU(inplace=True)`` after the layer), which ``nn.Linear``'s
+    output allows. Detaching drops only the view relation, not the data. A view of an input
+    is copied instead, so that changing the output never changes the input.
+    """
+    if not y._is_view():
+        return y
+    base = y._base
+    for t in (x, weight, bias):
+        if t is not None and (base is t or base is t._base):
+            return y.clone()
+    return y.detach()
 
 
 def _named(cls: type, name: str) -> type:
