@@ -485,6 +485,70 @@ def test_bias_flags_per_layer_are_checked():
     assert GroupedMLP(6, [5], 2, heads=3, bias=0).layers[0].bias is None  # truthiness, as nn.Linear's
 
 
+class _LoRALinear(nn.Linear):
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.a = nn.Parameter(torch.randn(2, i))
+        self.b = nn.Parameter(torch.randn(o, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.T @ self.b.T
+
+
+class _ScaledLinear(nn.Linear):  # its own forward, no more state
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class _TaggedLinear(nn.Linear):  # more state, nn.Linear's forward
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.register_buffer("tag", torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        pytest.param(lambda: _LoRALinear(4, 3), r"is a _LoRALinear, whose own forward is not nn.Linear's", id="lora"),
+        pytest.param(lambda: _ScaledLinear(4, 3), r"is a _ScaledLinear, whose own forward", id="own-forward"),
+        pytest.param(lambda: _TaggedLinear(4, 3), r"is a _TaggedLinear with more state than weight and bias \(tag\)", id="more-state"),
+        pytest.param(lambda: nn.LazyLinear(3), r"is an uninitialized LazyLinear: run one forward", id="lazy"),
+    ],
+)
+def test_conversions_refuse_linears_that_compute_something_else(make, match):
+    # Converting copies weight and bias only: a LoRA adapter's product was silently dropped.
+    with pytest.raises(BlockDiagError, match=r"GroupedLinear.from_linears: linears\[0\] " + match):
+        GroupedLinear.from_linears([make(), make()])
+    heads = [nn.Sequential(make(), nn.ReLU(), nn.Linear(3, 1)) for _ in range(2)]
+    with pytest.raises(BlockDiagError, match=r"GroupedMLP.from_heads: heads\[0\]\[0\] " + match):
+        GroupedMLP.from_heads(heads)
+
+
+def test_conversions_take_plain_linear_subclasses_and_masked_linears():
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+    lins = [NonDynamicallyQuantizableLinear(4, 3) for _ in range(2)]
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(GroupedLinear.from_linears(lins)(torch.cat([x, x], -1)), torch.cat([m(x) for m in lins], -1))
+    masked = blockdiag.mask_block_diagonal_(nn.Linear(4, 4), 2)
+    GroupedLinear.from_linears([masked])
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_grouped_mlp_auto_runs_on_meta_and_fake_inputs(grad):
+    # auto's strategy choice measured the layers' plans, and planning refuses meta: the
+    # default GroupedMLP failed on meta where each strategy named explicitly ran.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = GroupedMLP(4, [3], 2, heads=3, device="meta")
+    with torch.set_grad_enabled(grad):
+        y = model(torch.randn(5, 4, device="meta"))
+        assert y.shape == (5, 6) and y.is_meta
+        with FakeTensorMode():
+            fake = GroupedMLP(4, [3], 2, heads=3)
+            assert fake(torch.randn(5, 4)).shape == (5, 6)
+
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

@@ -23,6 +23,40 @@ from ..ops.auto import traced_routes
 __all__ = ["GroupedLinear", "grouped_linear"]
 
 
+def check_plain_linear(fn: str, lin: object, where: str) -> None:
+    """Refuse ``lin`` unless it computes ``x @ weight.T + bias`` with no state of its own.
+
+    Converting copies ``weight`` and ``bias`` only: a subclass that overrides ``forward``
+    (a LoRA adapter) or holds more parameters would be converted into something else,
+    silently. A parametrized Linear (``mask_block_diagonal_``) is plain: its ``weight`` is
+    the computed one.
+
+    Raises:
+        BlockDiagError: not an ``nn.Linear``, an uninitialized ``LazyLinear``, a subclass
+            with its own ``forward``, or other parameters, buffers or modules.
+    """
+    check(fn, isinstance(lin, nn.Linear), f"{where} is a {type(lin).__name__}, not nn.Linear")
+    check(
+        fn,
+        not isinstance(lin.weight, nn.parameter.UninitializedParameter),
+        f"{where} is an uninitialized {type(lin).__name__}: run one forward through it first",
+    )
+    check(
+        fn,
+        type(lin).forward is nn.Linear.forward,
+        f"{where} is a {type(lin).__name__}, whose own forward is not nn.Linear's: converting copies "
+        "only weight and bias, so it would compute something else",
+    )
+    extra = [n for n, _ in (*lin.named_parameters(), *lin.named_buffers())
+             if n not in ("weight", "bias") and not n.startswith("parametrizations.")]
+    check(
+        fn,
+        not extra,
+        f"{where} is a {type(lin).__name__} with more state than weight and bias ({', '.join(extra)}), "
+        "which converting would drop",
+    )
+
+
 def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
     """Check the operands' shapes, devices and dtypes (no batch size read); ``(G, out, in)``."""
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
@@ -406,7 +440,7 @@ class GroupedLinear(nn.Module):
         check(fn, len(linears) > 0, "linears is empty")
         first = linears[0]
         for k, lin in enumerate(linears):
-            check(fn, isinstance(lin, nn.Linear), f"linears[{k}] is a {type(lin).__name__}, not nn.Linear")
+            check_plain_linear(fn, lin, f"linears[{k}]")
             check(
                 fn,
                 lin.weight.shape == first.weight.shape,

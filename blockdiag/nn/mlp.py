@@ -20,7 +20,7 @@ from ..ops._define import _records, rows_pay
 from ..ops._sharding import refuse_sharded
 from ..ops.auto import route_token, traced_routes
 from ..ops.fm_rows import fm_rows
-from .linear import GroupedLinear, _compile_guard
+from .linear import GroupedLinear, _compile_guard, check_plain_linear
 
 __all__ = ["GroupedMLP", "MLPPlan", "STRATEGIES"]
 
@@ -560,6 +560,8 @@ class GroupedMLP(nn.Module):
                     "layer plans as auto does in a traced graph, so one graph serves every batch size")
         if x.numel() == 0:
             return "the batch is empty"
+        if x.is_meta or type(x) not in _PLAIN:
+            return "the input is a meta, fake or subclass tensor: each layer runs it as its operator does"
         if torch._C._are_functorch_transforms_active():
             return "a torch.func transform is active"
         if _autocast_on():
@@ -578,6 +580,8 @@ class GroupedMLP(nn.Module):
         """
         if (
             x.numel() == 0
+            or x.is_meta
+            or type(x) not in _PLAIN
             or torch._C._are_functorch_transforms_active()
             or (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _autocast_on())
         ):
@@ -963,6 +967,7 @@ class GroupedMLP(nn.Module):
                     f"heads[{h}][{k}] is {type(m).__name__} but heads[0][{k}] is {type(r).__name__}",
                 )
                 if isinstance(r, nn.Linear):
+                    check_plain_linear(fn, m, f"heads[{h}][{k}]")
                     check(
                         fn,
                         m.weight.shape == r.weight.shape and (m.bias is None) == (r.bias is None),
