@@ -145,17 +145,23 @@ def _validate(doc: Any, path: str) -> dict:
                 isinstance(m, dict)
                 and m.get("mode") in ("forward", "train")
                 and all(
-                    is_int(m.get(k), 1 if k == "groups" else 0)
+                    is_int(m.get(k), 1 if k == "groups" else 0) and m[k] <= _MAX_SIZE
                     for k in ("batch", "groups", "block_in", "block_out")
                 )
                 and isinstance(m.get("times_us"), dict)
-                # NaN and infinity would make every ranking that touches them meaningless.
+                # NaN and infinity would make every ranking that touches them meaningless,
+                # and the ranking takes logarithms of times scaled by FLOPs.
                 and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and _TIME_RANGE_US[0] <= v <= _TIME_RANGE_US[1]
                     for v in m["times_us"].values()
                 )
+                and isinstance(m.get("skipped", {}), dict)
             ):
                 raise ValueError(f"entry {key!r} has a malformed measurement {m!r:.120}")
+        if not isinstance(e.get("not_measured", {}), dict):
+            raise ValueError(f"entry {key!r} has 'not_measured' that is not an object")
+        if not isinstance(e.get("runs", []), list):
+            raise ValueError(f"entry {key!r} has 'runs' that is not a list")
         st = e.get("settings", {})
         if not isinstance(st, dict):
             raise ValueError(f"entry {key!r} has 'settings' that is not an object")
@@ -167,6 +173,11 @@ def _validate(doc: Any, path: str) -> dict:
                 raise ValueError(f"entry {key!r} has {k}={v!r}, outside [{lo}, {hi}]")
     return doc
 
+
+# What a measurement may hold: sizes up to 2**40 (float arithmetic on their products stays
+# exact enough and finite), times from a picosecond to about eleven days.
+_MAX_SIZE = 2**40
+_TIME_RANGE_US = (1e-6, 1e12)
 
 _SETTING_RANGES = {
     "sparsity_threshold": (0.0, 1.0),

@@ -215,6 +215,38 @@ def test_a_profile_with_zero_groups_or_a_bool_size_is_corrupt(tmp_path):
         assert doc is None and "malformed measurement" in err
 
 
+_M = {"mode": "forward", "batch": 8, "groups": 4, "block_in": 4, "block_out": 4, "times_us": {"bmm": 1.0, "loop": 2.0}}
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        pytest.param({"measurements": [_M], "not_measured": ["simd"]}, "'not_measured' that is not an object", id="not-measured-list"),
+        pytest.param({"measurements": [_M], "runs": 5}, "'runs' that is not a list", id="runs-int"),
+        pytest.param({"measurements": [{**_M, "skipped": [1]}]}, "malformed measurement", id="skipped-list"),
+        pytest.param({"measurements": [{**_M, "times_us": {"bmm": 5e-324, "loop": 1.0}}]}, "malformed measurement", id="subnormal-time"),
+        pytest.param({"measurements": [{**_M, "batch": 10**400}]}, "malformed measurement", id="huge-size"),
+    ],
+)
+def test_a_profile_that_would_break_the_ranking_is_corrupt(tmp_path, monkeypatch, entry, why):
+    # Each of these passed the check and then made every auto forward raise (a .get on a
+    # list, log(0) from a subnormal time, an int too large for a float). Now the file is
+    # corrupt: one warning, and auto ranks by the built-in table.
+    path = tmp_path / "p.json"
+    key = f"{profile.device_name('cpu')}|{torch.__version__}|float32"
+    ent = {"device": "cpu", "device_name": profile.device_name("cpu"), "torch": torch.__version__, "dtype": "float32", **entry}
+    path.write_text(json.dumps({"format": profile.FORMAT, "version": profile.VERSION, "entries": {key: ent}}))
+    doc, err = profile.read_profile(path)
+    assert doc is None and why in err, err
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(path))
+    from blockdiag import grouped_linear
+
+    x, w = torch.randn(6, 12), torch.randn(4, 5, 3)
+    with pytest.warns(profile.ProfileWarning):
+        y = grouped_linear(x, w, None, backend="auto")
+    torch.testing.assert_close(y, x @ torch.block_diag(*w).T)
+
+
 def test_a_deeply_nested_profile_is_corrupt_not_a_crash(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 100000)
