@@ -286,6 +286,10 @@ def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> No
     target = Path(path)
     if target.is_dir():
         raise BlockDiagError(f"{option}: {path!r} is a directory; name a file in it")
+    if target.exists() and not target.is_file():
+        from .profile import _file_kind
+
+        raise BlockDiagError(f"{option}: {path!r} is {_file_kind(os.stat(target).st_mode)}, not a regular file")
     if target.exists() and not os.access(target, os.W_OK):
         raise BlockDiagError(f"{option}: {path!r} exists and is not writable")
     parent = target.resolve().parent
@@ -454,12 +458,31 @@ def _runnable_names(device: str) -> list[str]:
     return [n for n in names() if device in get(n).dtypes and get(n).unavailable_reason() is None]
 
 
+def _check_plot_format(path: str | None) -> None:
+    """Refuse a ``--plot`` file whose extension matplotlib cannot write, before the measuring."""
+    if path is None:
+        return
+    from ._errors import BlockDiagError
+
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise BlockDiagError("--plot needs matplotlib: pip install 'blockdiag[plot]'") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in formats:
+        raise BlockDiagError(f"--plot: {path!r} has the extension {ext!r}, which matplotlib cannot write; "
+                             f"use one of {', '.join(sorted(formats))}")
+
+
 def cmd_tune(args) -> int:
     from . import profile as prof
+    from ._errors import BlockDiagError
     from .tuning import cross_check, merge_entry, plot_decision_map, tune
 
     _check_backends(args.backends, args.device, args.dtype)
     _check_output("--plot", args.plot)
+    _check_plot_format(args.plot)
     grid = _grid(args, "quick")
     modes = _modes(args)
     _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
@@ -468,6 +491,8 @@ def cmd_tune(args) -> int:
     timed = args.backends or _runnable_names(args.device)
     n_backends = len(timed)
     points = _point_costs(grid, modes, args.max_gflop)
+    if not points:
+        raise BlockDiagError(f"--max-gflop {args.max_gflop:g} skips every point of the grid: nothing to measure")
     writes = f"{path}" + (f" and the decision map {args.plot}" if args.plot else "")
     _announce("tune", args, len(points), modes, writes,
               fmt.estimate_line(points, n_backends, "backends", args.repeat, args.min_time, args.device,
@@ -481,8 +506,19 @@ def cmd_tune(args) -> int:
     entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                  rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
                  refine=args.refine, rematch=args.rematch, prior=old, progress=sys.stderr)
-    entry = merge_entry(old, entry)
-    written = prof.save_entry(entry, path)
+    if not entry["measurements"]:
+        raise BlockDiagError("tune: no point was measured, so nothing was written (an empty entry would "
+                             "replace the built-in table for this machine)")
+    # Merged into the entry the file holds when it is written (under its lock), not the one
+    # read before the measuring: another run may have saved meanwhile.
+    kept: dict = {}
+
+    def merge(stored, new):
+        kept["entry"] = merge_entry(stored, new)
+        return kept["entry"]
+
+    written = prof.save_entry(entry, path, merge=merge)
+    entry = kept["entry"]
     wins: dict[str, int] = {}
     for m in entry["measurements"]:
         if m["times_us"]:

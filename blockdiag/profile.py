@@ -31,14 +31,16 @@ file changed by another process is found by :func:`changed_on_disk`, which the c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import stat
 import tempfile
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -468,21 +470,79 @@ def builtin_entry(device: str, dtype: torch.dtype) -> Optional[dict]:
     return fit_variant((defaults + ours)[0], device) if ours else None
 
 
-def save_entry(entry: dict, path: Path | str | None = None) -> Path:
+# How long save_entry waits for another process's write to the same profile (a write
+# takes milliseconds; a process stopped while holding the lock must not hang this one).
+LOCK_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def _locked(p: Path):
+    """Hold an exclusive lock on ``p``'s lock file (``.<name>.lock`` beside it) while the block runs.
+
+    Two processes saving into one profile (two ``blockdiag tune`` runs) each read, merge
+    and rename: without the lock the second rename drops what the first wrote. Where
+    ``fcntl`` is missing (Windows), no lock is taken.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(p.parent / f".{p.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BlockDiagError(
+                        f"save_entry: another process has held the lock on {p} for {LOCK_TIMEOUT_S:.0f} s; "
+                        f"nothing was written (the lock file is {p.parent / f'.{p.name}.lock'})"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Callable[[Optional[dict], dict], dict]] = None) -> Path:
     """Merge ``entry`` into the profile at ``path`` atomically (temp file, then rename).
 
     A corrupt existing file is replaced (its content could not be used anyway); a path
     naming something other than a regular file (a FIFO, a device, a directory) is not.
+    The read, the merge and the rename hold a lock on the file, so that concurrent savers
+    (two ``blockdiag tune`` runs) each keep the other's entries.
+
+    Args:
+        entry: the entry to store under its key.
+        path: the profile file (default: :func:`default_profile_path`).
+        merge: ``merge(stored, entry)`` gives what is stored, from the entry the file holds
+            under the same key when it is read under the lock (None if none); default:
+            ``entry`` replaces it.
 
     Returns:
         the path written.
 
     Raises:
         BlockDiagError: if the entry is malformed (nothing is written, and ``auto`` does not
-            see it), the path names something other than a regular file, or the directory
-            cannot be created or written.
+            see it), the path names something other than a regular file, the directory
+            cannot be created or written, or another process holds the lock too long.
     """
     p = Path(path or default_profile_path())
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
+    try:
+        with _locked(Path(os.path.realpath(p))):
+            return _save_locked(entry, p, merge)
+    except OSError as e:
+        raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
+
+
+def _save_locked(entry: dict, p: Path, merge) -> Path:
     doc, err = read_profile(p)
     if err is not None and err.startswith("not a regular file"):
         # Renaming a file over a FIFO or a device would silently replace it.
@@ -491,6 +551,8 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
     # an entry refused below never reaches auto.
     doc = {"format": FORMAT, "version": VERSION, "entries": {}} if doc is None else {**doc, "entries": dict(doc["entries"])}
     key = f"{entry['device_name']}|{entry['torch']}|{entry['dtype']}"
+    if merge is not None:
+        entry = merge(doc["entries"].get(key), entry)
     if (entry.get("device") == "cpu" and "simd_variant" not in entry
             and any("simd" in m.get("times_us", {}) for m in entry.get("measurements", []))):
         running = _running_simd_variant("cpu")  # the kernels these simd times are of
@@ -502,7 +564,6 @@ def save_entry(entry: dict, path: Path | str | None = None) -> Path:
     except ValueError as e:
         raise BlockDiagError(f"save_entry: refusing to write {p}: {e}") from e
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(p, doc)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
@@ -514,9 +575,20 @@ def write_json_atomic(path: Path | str, obj: Any) -> None:
     """Write ``obj`` as JSON to a temp file beside ``path``, then rename it over ``path``.
 
     Readers see the old file or the new one, never a half-written one; on any error the
-    temp file is removed and ``path`` is untouched.
+    temp file is removed and ``path`` is untouched. A symbolic link is written through (its
+    target is replaced, the link kept), as an ordinary write would.
+
+    Raises:
+        OSError: ``path`` names something other than a regular file (a FIFO, a device, a
+            directory): renaming over it would replace that node, not write to it.
     """
-    p = Path(path)
+    p = Path(os.path.realpath(path))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise OSError(f"refusing to write {path}: not a regular file: it is {_file_kind(st.st_mode)}")
     # mkstemp creates the file 0600; a profile or a results file is not a secret. Keep the
     # mode of the file replaced, else 0644 (reading the umask is not thread-safe).
     try:

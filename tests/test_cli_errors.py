@@ -284,3 +284,25 @@ def test_the_baselines_modules_count_in_the_memory_estimate(tmp_path):
                       timeout=60)
     assert rc == 2 and "Traceback" not in err, err
     assert "B=1 G=100000000 1x1" in err and "--no-baselines" in err, err
+
+
+def test_tune_refuses_a_grid_that_max_gflop_empties_and_an_unknown_plot_format(tmp_path, capsys):
+    # Before: the first wrote an empty entry that replaced the built-in table for this
+    # machine; the second measured the whole grid, then failed with a traceback.
+    profile = tmp_path / "p.json"
+    _refused(["tune", *TINY, "--max-gflop", "0", "--profile", str(profile)],
+             "--max-gflop 0 skips every point of the grid", capsys=capsys)
+    pytest.importorskip("matplotlib")
+    _refused(["tune", *TINY, "--plot", str(tmp_path / "map.xyz"), "--profile", str(profile)],
+             "--plot", "'xyz', which matplotlib cannot write", capsys=capsys)
+    assert not profile.exists()
+
+
+@pytest.mark.parametrize("cmd, option", [("bench", "--json"), ("tune", "--profile"), ("tune", "--plot")])
+def test_an_output_that_is_not_a_regular_file_is_refused_before_measuring(tmp_path, cmd, option, capsys):
+    # Renaming the result over a FIFO (or a device) replaced that node with a regular file.
+    fifo = tmp_path / "out.png"
+    os.mkfifo(fifo)
+    extra = ["--no-baselines"] if cmd == "bench" else []
+    _refused([cmd, *TINY, *extra, option, str(fifo)], option, "is a FIFO, not a regular file", capsys=capsys)
+    assert fifo.is_fifo()

@@ -1,7 +1,11 @@
 """Tuning profiles: loading, every failure mode (one warning, then defaults), atomic writes."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -105,7 +109,8 @@ def test_save_merges_entries_and_is_valid(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["format"] == profile.FORMAT and doc["version"] == profile.VERSION
     assert len(doc["entries"]) == 2
-    assert [p.name for p in path.parent.iterdir()] == ["p.json"]
+    # No temporary file left; the lock file of concurrent savers stays (removing it would race).
+    assert sorted(p.name for p in path.parent.iterdir()) == [".p.json.lock", "p.json"]
 
 
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
@@ -120,7 +125,7 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     with pytest.raises(BlockDiagError, match="cannot write profile .*disk full"):
         profile.save_entry(entry([point(bmm=1.0)]), path)
     assert path.read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".p.json.lock", "p.json"]
 
 
 def test_save_replaces_a_corrupt_file(tmp_path):
@@ -408,3 +413,54 @@ def test_a_huge_profile_is_refused_unread(tmp_path):
         _, src = load(path)
         load(path)
     assert len(rec) == 1 and src == "built-in defaults"
+
+
+def test_written_json_goes_through_a_symbolic_link_and_refuses_a_fifo(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(target.name)
+    profile.write_json_atomic(link, {"a": 1})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file: it is a FIFO"):
+        profile.write_json_atomic(fifo, {"a": 1})
+    assert fifo.is_fifo() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_concurrent_savers_keep_each_others_entries(tmp_path):
+    # Two processes each saving 12 entries under their own keys into one profile: every
+    # read-merge-rename holds the file's lock, so none of the 24 is lost (without it, a
+    # run kept about half).
+    path = tmp_path / "p.json"
+    code = textwrap.dedent(f"""
+        import sys
+        from blockdiag import profile
+        tag = sys.argv[1]
+        for k in range(12):
+            profile.save_entry({{"device": "cuda", "device_name": f"{{tag}}{{k}}", "torch": "t", "dtype": "float32",
+                                 "measurements": [{{"mode": "forward", "batch": 8, "groups": 4, "block_in": 4,
+                                                    "block_out": 4, "times_us": {{"bmm": 1.0}}}}]}}, {str(path)!r})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, tag]) for tag in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    doc, err = profile.read_profile(path)
+    assert err is None and len(doc["entries"]) == 24
+
+
+def test_save_entry_merges_into_what_the_file_holds_when_it_writes(tmp_path):
+    path = tmp_path / "p.json"
+    m = {"mode": "forward", "batch": 8, "groups": 4, "block_in": 4, "block_out": 4, "times_us": {"bmm": 1.0}}
+    base = {"device": "cuda", "device_name": "x", "torch": "t", "dtype": "float32"}
+    profile.save_entry({**base, "measurements": [m]}, path)
+    seen = []
+
+    def merge(stored, new):
+        seen.append(stored)
+        return {**new, "measurements": stored["measurements"] + new["measurements"]}
+
+    profile.save_entry({**base, "measurements": [{**m, "batch": 16}]}, path, merge=merge)
+    assert seen[0]["measurements"] == [m]
+    doc, _ = profile.read_profile(path)
+    assert [e["batch"] for e in doc["entries"]["x|t|float32"]["measurements"]] == [8, 16]
