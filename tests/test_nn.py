@@ -549,6 +549,12 @@ def test_grouped_mlp_auto_runs_on_meta_and_fake_inputs(grad):
             assert fake(torch.randn(5, 4)).shape == (5, 6)
 
 
+@pytest.mark.parametrize("arg", ["activation", "output_activation"])
+def test_an_activation_instance_instead_of_a_factory_is_refused(arg):
+    with pytest.raises(BlockDiagError, match=rf"GroupedMLP: {arg} must be a factory that makes a module .* not a module instance \(Tanh\(\)\)"):
+        GroupedMLP(4, 3, 2, heads=2, **{arg: nn.Tanh()})
+
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

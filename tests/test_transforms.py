@@ -1404,6 +1404,27 @@ def test_jit_trace_works_or_refuses_clearly(name):
         _close(traced(x), reference_loop(x.double(), w.double(), b.double()), torch.float32, what="traced")
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_jit_trace_of_a_grouped_mlp(strategy, grad):
+    # The default model failed (the strategy choice planned with the tracer's tensor sizes),
+    # and with grad the chain and the heads failed jit's own check run (in-place activations
+    # under its no_grad repeat recorded another graph).
+    from blockdiag import GroupedMLP
+
+    torch.manual_seed(0)
+    model = GroupedMLP(4, [5, 3], 2, heads=3, strategy=strategy, dtype=torch.float64)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, x)
+    torch.testing.assert_close(traced(x), model(x))
+    x2 = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    g_traced, = torch.autograd.grad(traced(x2).sum(), x2)
+    g_model, = torch.autograd.grad(model(x2).sum(), x2)
+    torch.testing.assert_close(g_traced, g_model)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in ("auto", "bmm")])
 def test_jit_script_refuses_clearly(name):
     layer = _layer(name, *_params(torch.float32))

@@ -405,6 +405,13 @@ class GroupedMLP(nn.Module):
                     GroupedLinear(heads * sizes[k], heads * sizes[k + 1], heads, biases[k], backend=backend, **factory)
                 )
         self.layers = nn.ModuleList(layers)
+        for arg, factory in (("activation", activation), ("output_activation", output_activation)):
+            check(
+                fn,
+                not isinstance(factory, nn.Module),
+                f"{arg} must be a factory that makes a module (a class such as nn.Tanh, or a lambda), "
+                f"not a module instance ({factory!r}): the model makes its own",
+            )
         acts = [activation() for _ in hidden]
         for k, act in enumerate(acts):
             _check_activation(fn, act, f"activation() after hidden layer {k}")
@@ -562,6 +569,8 @@ class GroupedMLP(nn.Module):
             return "the batch is empty"
         if x.is_meta or type(x) not in _PLAIN:
             return "the input is a meta, fake or subclass tensor: each layer runs it as its operator does"
+        if torch._C._get_tracing_state() is not None:
+            return "torch.jit.trace is recording: each layer records as GroupedLinear does under it"
         if torch._C._are_functorch_transforms_active():
             return "a torch.func transform is active"
         if _autocast_on():
@@ -580,6 +589,7 @@ class GroupedMLP(nn.Module):
         """
         if (
             x.numel() == 0
+            or torch._C._get_tracing_state() is not None
             or x.is_meta
             or type(x) not in _PLAIN
             or torch._C._are_functorch_transforms_active()
@@ -814,7 +824,9 @@ class GroupedMLP(nn.Module):
             xv = x2.view(n, hds, self.in_features).permute(1, 2, 0)  # [H, in, N] view
             h = self._bmm(first, xv)
         last = len(layers) - 1
-        if last >= 1 and not self._records(x, layers):
+        # Not while jit.trace records: its check run repeats the call under no_grad, where the
+        # in-place forms would record a different graph than the traced one.
+        if last >= 1 and not self._records(x, layers) and torch._C._get_tracing_state() is None:
             # Nothing differentiates this call: each hidden product is the chain's own new
             # tensor, so an activation with an in-place form overwrites it rather than
             # allocating and writing another (scripts/bench_mlp_strategy.py's inference rows).
@@ -839,7 +851,7 @@ class GroupedMLP(nn.Module):
         layers = tuple(self._modules["layers"]._modules.values())
         acts = tuple(self._modules["activations"]._modules.values())
         hds = self.heads
-        if len(layers) > 1 and not self._records(x, layers):
+        if len(layers) > 1 and not self._records(x, layers) and torch._C._get_tracing_state() is None:
             acts = tuple(_in_place(a) for a in acts)  # each head's hidden tensor is its own
         weights, biases = [], []
         for layer in layers:
