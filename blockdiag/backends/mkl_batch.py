@@ -165,6 +165,16 @@ def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, 
     every matrix inside its tensor's storage) and refused with BlockDiagError: MKL is never
     handed a pointer it could read or write out of bounds.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo reached the kernel (a graph broken inside a torch.func transform resumes in
+        # traced frames): it would trace the numpy arrays of sizes and pointers as tensors,
+        # and MKL would read garbage ("Parameter 2 was incorrect", then garbage out). The
+        # disabled call runs outside the trace, on the real values.
+        return _gemm_untraced(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups)
+    return _gemm_impl(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups)
+
+
+def _gemm_impl(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups):
     found, why = _kernels()
     if found is None:
         raise BlockDiagError(f"mkl_batch: {why}")
@@ -196,6 +206,9 @@ def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, 
     p, q, s = ptrs.ctypes.data, ints.ctypes.data, scalars.ctypes.data
     fn(_ROW_MAJOR, q, q + 8, q + 16, q + 24, q + 32, s, p, q + 40, p + 8 * groups, q + 48,
        s + scalars.itemsize, p + 16 * groups, q + 56, 1, q + 64)
+
+
+_gemm_untraced = torch.compiler.disable(_gemm_impl, recursive=True)
 
 
 def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:

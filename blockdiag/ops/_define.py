@@ -226,8 +226,14 @@ class OpEntry:
         return self.forward(x, weight, bias)
 
     def call_op(self, x, weight, bias):
-        """The registered op (or, under a ``torch.func`` transform, the Function around it)."""
-        if torch._C._are_functorch_transforms_active():
+        """The registered op (or, under a ``torch.func`` transform, the Function around it).
+
+        Not while dynamo traces: it cannot trace a Function with a custom ``jvp`` and breaks
+        the graph, and a break inside a traced ``vmap`` ran the kernel on garbage. The op
+        itself has a vmap rule, and its autograd kernel takes the Function when the graph is
+        traced under a transform.
+        """
+        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
             return self._py_fn.apply(x, weight, bias)
         return self.fwd_op(x, weight, bias)
 
@@ -547,6 +553,11 @@ def define(entry: OpEntry) -> OpEntry:
     _functions(entry)
 
     def autograd_kernel(keyset, x, weight, bias):
+        if torch._C._are_functorch_transforms_active():
+            # A graph traced inside a torch.func transform (torch.compile around
+            # torch.func.grad: dynamo reaches the op with the transform's tensors) needs the
+            # Function that functorch can run (setup_context), as call_op picks in eager.
+            return entry._py_fn.apply(x, weight, bias)
         if _records(x, weight, bias) or _fwad._current_level >= 0:
             return entry._op_fn.apply(x, weight, bias, keyset)
         return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)

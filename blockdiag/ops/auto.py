@@ -205,6 +205,10 @@ _Functorch = _named(_Functorch, "auto_Func")
 
 
 def _autograd_kernel(keyset, x, weight, bias, train):
+    if torch._C._are_functorch_transforms_active():
+        # Traced inside a torch.func transform (torch.compile around torch.func.grad): the
+        # Function functorch can run, as auto() picks in eager (see _define's autograd kernel).
+        return _Functorch.apply(x, weight, bias, train)
     if _records(x, weight, bias) or _fwad._current_level >= 0:
         return _OpAutograd.apply(x, weight, bias, train, keyset)
     return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
@@ -225,6 +229,10 @@ def _inline(x, weight, bias, train, state=""):
     # subclass (DTensor) keeps the op, whose sharding rules run the local kernels without
     # gathering and refuse what they cannot shard; the chooser would see global shapes here.
     if isinstance(x.shape[0], torch.SymInt) or any(map(_is_subclass, (x, weight, bias))):
+        return FORWARD(x, weight, bias, train)
+    if torch._C._are_functorch_transforms_active():
+        # The op, whose autograd kernel takes the Function functorch can run: the eager and
+        # native routes' Functions have no setup_context, which a transform needs.
         return FORWARD(x, weight, bias, train)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
@@ -351,13 +359,13 @@ def auto_inline(x: torch.Tensor, weight: torch.Tensor, bias, train: bool, state:
     ``state`` is :func:`blockdiag.dispatch.plan_state` when tracing: it only tells graphs
     planned under other settings apart.
     """
-    if torch._C._are_functorch_transforms_active():
-        return _Functorch.apply(x, weight, bias, train)
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        return _Functorch.apply(x, weight, bias, train)  # not traced: see OpEntry.call_op
     return INLINE(x, weight, bias, train, state)
 
 
 def auto(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
     """The ``auto`` op on a 2-D ``x`` (through ``torch.func``'s Function under a transform)."""
-    if torch._C._are_functorch_transforms_active():
-        return _Functorch.apply(x, weight, bias, train)
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        return _Functorch.apply(x, weight, bias, train)  # not traced: see OpEntry.call_op
     return FORWARD(x, weight, bias, train)
