@@ -314,7 +314,8 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         idx = torch.arange(groups, device=matrix.device)
         blocks = m[idx, :, idx, :]  # [G, r, c]
         off = matrix.ne(0) & ~BlockLayout(groups, r, c).mask(matrix.device)
-        if bool(off.any()):
+        # A meta matrix holds no values to check: its blocks are taken as they are.
+        if not matrix.is_meta and bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])
             raise BlockDiagError(
                 f"{fn}: matrix of shape {shape} has a non-zero {matrix[i, j].item()!r} at "
@@ -375,6 +376,13 @@ def to_scipy(matrix: torch.Tensor):
         fn,
         matrix.dtype != torch.bfloat16,
         "matrix is bfloat16, which numpy and scipy do not have; convert it first (matrix.float())",
+    )
+    # numpy has float16 but scipy.sparse does not: a CSR array of it is built, then fails
+    # in its first product.
+    check(
+        fn,
+        matrix.dtype != torch.float16,
+        "matrix is float16, which scipy.sparse does not support; convert it first (matrix.float())",
     )
     m = matrix.detach().cpu()
     shape = tuple(m.shape)

@@ -219,6 +219,20 @@ def test_to_blocks_refuses_a_hybrid_coo():
         blockdiag.to_blocks(h, 1)
 
 
+@pytest.mark.parametrize("layout", ["dense", "csr", "coo"])
+def test_to_scipy_names_float16(layout):
+    # A CSR array of float16 was built and failed in its first product.
+    m = torch.eye(4, dtype=torch.float16)
+    m = {"dense": m, "csr": m.to_sparse_csr(), "coo": m.to_sparse()}[layout]
+    with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is float16, which scipy.sparse does not support"):
+        blockdiag.to_scipy(m)
+
+
+def test_to_blocks_of_a_meta_matrix_gives_meta_blocks():
+    blocks = blockdiag.to_blocks(torch.empty(6, 9, device="meta"), 3)
+    assert blocks.is_meta and blocks.shape == (3, 2, 3)
+
+
 def test_to_scipy_names_bfloat16():
     with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is bfloat16, which numpy and scipy do not have"):
         blockdiag.to_scipy(torch.ones(2, 2, dtype=torch.bfloat16))
