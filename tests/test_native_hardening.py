@@ -425,6 +425,14 @@ def test_incomplete_elf_names_what_is_cut_short():
     assert "segment 0 ends at byte" in simd._incomplete_elf(bytes(cut))
 
 
+@needs_cc
+def test_a_compiler_variable_with_arguments_is_named_as_such(stub_env, monkeypatch):
+    monkeypatch.setenv("CC", "gcc -O1")
+    simd._library.cache_clear()
+    why = simd._library()[1]
+    assert why is not None and "gcc -O1 is not on PATH (set $CC) (it has arguments" in why, why
+
+
 # --- item 10: no planted library is ever loaded ---------------------------------------------
 
 @needs_cc

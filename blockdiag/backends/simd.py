@@ -571,7 +571,9 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     _INFO.update(variant=chosen, openmp=None, forced=bool(os.environ.get(ISA_ENV, "").strip()))
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        return None, f"no C compiler: {os.environ.get('CC') or 'cc'} is not on PATH (set $CC)"
+        name = os.environ.get("CC") or "cc"
+        args = " (it has arguments: $CC must name the compiler alone, such as gcc)" if len(name.split()) > 1 else ""
+        return None, f"no C compiler: {name} is not on PATH (set $CC){args}"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
