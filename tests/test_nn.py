@@ -196,6 +196,18 @@ MLP_CASES = [
 ]
 
 
+def _agree_with_heads(model, ref_forward, x):
+    """``model`` and ``ref_forward`` agree on ``x`` in output and input gradient; both outputs."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = model(xa), ref_forward(xb)
+    torch.testing.assert_close(y, yr)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (yr * r).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    return y, yr
+
+
 # "backend/strategy": the auto backend under each GroupedMLP strategy, and every fixed backend
 # (whose layers always run as modules).
 MLP_RUNS = ["auto", "auto/layers", "auto/fm_chain", "auto/heads"] + FIXED
@@ -218,14 +230,8 @@ def test_from_heads_matches_heads_outputs_and_grads(device, heads_n, sizes, shar
             return torch.cat([h(x) for h in heads], -1)
         return torch.cat([h(x[..., k * sizes[0]:(k + 1) * sizes[0]]) for k, h in enumerate(heads)], -1)
 
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y, yr = model(xa), ref_forward(xb)
+    y, _ = _agree_with_heads(model, ref_forward, x)
     assert y.shape == (2, 7, heads_n * sizes[-1])
-    torch.testing.assert_close(y, yr)
-    r = torch.randn_like(y)
-    (y * r).sum().backward()
-    (yr * r).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad)
     # every parameter's gradient matches its head's, after mapping back through to_heads layout
     for k, layer in enumerate(model.layers):
         o, i = sizes[k + 1], sizes[k]
@@ -342,13 +348,7 @@ def test_from_heads_groups_several_elementwise_modules_between_linears(strategy)
     assert type(model.activations[0]) is nn.Sequential and isinstance(model.activations[1], nn.Tanh)
     assert [type(m) for m in model.activations[0]] == [nn.ReLU, nn.Dropout]
     x = torch.randn(7, 6, dtype=torch.float64)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y, yr = model(xa), torch.cat([h(xb) for h in heads], -1)
-    torch.testing.assert_close(y, yr)
-    r = torch.randn_like(y)
-    (y * r).sum().backward()
-    (yr * r).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad)
+    y, yr = _agree_with_heads(model, lambda x: torch.cat([h(x) for h in heads], -1), x)
     for k, layer in enumerate(model.layers):
         for h, head in enumerate(heads):
             lin = [m for m in head if isinstance(m, nn.Linear)][k]
@@ -407,14 +407,8 @@ def test_from_heads_takes_an_activation_after_the_last_linear(strategy):
     model = GroupedMLP.from_heads(heads, strategy=strategy).eval()
     assert [type(m) for m in model.output_activation] == [nn.Tanh, nn.Dropout]
     x = torch.randn(2, 7, 6, dtype=torch.float64)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y, yr = model(xa), torch.cat([h(xb) for h in heads], -1)
-    torch.testing.assert_close(y, yr)
+    y, yr = _agree_with_heads(model, lambda x: torch.cat([h(x) for h in heads], -1), x)
     assert y.abs().max() < 1  # the Tanh ran
-    r = torch.randn_like(y)
-    (y * r).sum().backward()
-    (yr * r).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad)
     back = model.to_heads()
     assert [type(m) for m in back[1]] == [type(m) for m in heads[1]]
     with torch.no_grad():
@@ -460,13 +454,7 @@ def test_from_heads_with_a_bias_on_some_layers_only(strategy, shared):
             return torch.cat([h(x) for h in heads], -1)
         return torch.cat([h(x[:, 6 * k:6 * (k + 1)]) for k, h in enumerate(heads)], -1)
 
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y, yr = model(xa), ref(xb)
-    torch.testing.assert_close(y, yr)
-    r = torch.randn_like(y)
-    (y * r).sum().backward()
-    (yr * r).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad)
+    y, _ = _agree_with_heads(model, ref, x)
     torch.testing.assert_close(model.layers[1].bias.grad, torch.cat([h[2].bias.grad for h in heads]))
     back = model.to_heads()
     assert [m.bias is not None for m in back[0] if isinstance(m, nn.Linear)] == [False, True, False]

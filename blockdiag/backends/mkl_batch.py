@@ -170,7 +170,7 @@ def _gemm(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, 
         # traced frames): it would trace the numpy arrays of sizes and pointers as tensors,
         # and MKL would read garbage ("Parameter 2 was incorrect", then garbage out). The
         # disabled call runs outside the trace, on the real values.
-        return _gemm_untraced(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups)
+        return _untraced()(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups)
     return _gemm_impl(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, step_c, ldc, groups)
 
 
@@ -208,7 +208,11 @@ def _gemm_impl(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, ste
        s + scalars.itemsize, p + 16 * groups, q + 56, 1, q + 64)
 
 
-_gemm_untraced = torch.compiler.disable(_gemm_impl, recursive=True)
+@functools.lru_cache(maxsize=None)
+def _untraced():
+    # Made on first use: torch.compiler.disable imports dynamo (and DTensor with it), which
+    # importing blockdiag must not.
+    return torch.compiler.disable(_gemm_impl, recursive=True)
 
 
 def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
