@@ -177,8 +177,7 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
     cxx_name = os.environ.get("CXX") or "c++"
     cxx = shutil.which(cxx_name)
     if cxx is None:
-        args = " (it has arguments: $CXX must name the compiler alone, such as g++)" if len(cxx_name.split()) > 1 else ""
-        return None, f"no C++ compiler: {cxx_name} is not on PATH (set $CXX){args}"
+        return None, simd.compiler_missing("C++", "CXX", cxx_name)
     includes, _ = _torch_paths()
     if not (includes[0] / "torch" / "library.h").is_file():
         return None, f"the installed torch has no C++ headers ({includes[0]})"

@@ -324,6 +324,12 @@ def _damage(data: bytes) -> Optional[str]:
     return _incomplete_elf(memoryview(data)[:size].tobytes())
 
 
+def compiler_missing(kind: str, var: str, name: str) -> str:
+    """Why no ``kind`` compiler (``$var`` naming ``name``) can be used: not on PATH, or given with arguments."""
+    args = f" (it has arguments: ${var} must name the compiler alone)" if len(name.split()) > 1 else ""
+    return f"no {kind} compiler: {name} is not on PATH (set ${var}){args}"
+
+
 def _incomplete_elf(data: bytes) -> Optional[str]:
     """Why the ELF file ``data`` is cut short (a table or segment past its end), or None.
 
@@ -571,9 +577,7 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     _INFO.update(variant=chosen, openmp=None, forced=bool(os.environ.get(ISA_ENV, "").strip()))
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        name = os.environ.get("CC") or "cc"
-        args = " (it has arguments: $CC must name the compiler alone, such as gcc)" if len(name.split()) > 1 else ""
-        return None, f"no C compiler: {name} is not on PATH (set $CC){args}"
+        return None, compiler_missing("C", "CC", os.environ.get("CC") or "cc")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -405,12 +405,12 @@ class GroupedMLP(nn.Module):
                     GroupedLinear(heads * sizes[k], heads * sizes[k + 1], heads, biases[k], backend=backend, **factory)
                 )
         self.layers = nn.ModuleList(layers)
-        for arg, factory in (("activation", activation), ("output_activation", output_activation)):
+        for arg, make in (("activation", activation), ("output_activation", output_activation)):
             check(
                 fn,
-                not isinstance(factory, nn.Module),
+                not isinstance(make, nn.Module),
                 f"{arg} must be a factory that makes a module (a class such as nn.Tanh, or a lambda), "
-                f"not a module instance ({factory!r}): the model makes its own",
+                f"not a module instance ({make!r}): the model makes its own",
             )
         acts = [activation() for _ in hidden]
         for k, act in enumerate(acts):
