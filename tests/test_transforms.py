@@ -1388,17 +1388,20 @@ _FUNC_IN_COMPILE = {
     "vmap(grad)": lambda m, p, x: torch.func.vmap(
         torch.func.grad(lambda p, x: torch.func.functional_call(m, p, (x[None],)).square().sum()), in_dims=(None, 0))(p, x),
     "jacfwd": lambda m, p, x: torch.func.jacfwd(m)(x),
+    "jvp": lambda m, p, x: torch.func.jvp(m, (x,), (torch.ones_like(x),)),
     "vmap": lambda m, p, x: torch.func.vmap(m)(x.view(N, 1, -1)),
 }
 
 
 @pytest.mark.parametrize("how", list(_FUNC_IN_COMPILE))
-@pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in ("auto", "simd", "mkl_batch", "bmm_fm_bmm")])
+@pytest.mark.parametrize("name", ALL)
 def test_torch_func_inside_torch_compile(name, how):
     # grad, jacrev and vmap(grad) failed to compile (the op's autograd Function had no
     # setup_context for functorch), and with mkl_batch a graph broken inside the transform
     # resumed in traced frames: dynamo traced its numpy arrays of sizes and pointers, and MKL
-    # computed garbage ("Parameter 2 was incorrect"). Eager results are the reference.
+    # computed garbage ("Parameter 2 was incorrect"). Then the graph broke at the op under
+    # every transform (functorch cannot run the op's Function from inside the op), and jvp
+    # and jacfwd ran eagerly: fullgraph holds now. Eager results are the reference.
     require_backend(name)
     torch.manual_seed(0)
     w, b = _params(torch.float32)
@@ -1406,9 +1409,58 @@ def test_torch_func_inside_torch_compile(name, how):
     p = {k: v.detach() for k, v in m.named_parameters()}
     x = torch.randn(N, G * I)
     want = _FUNC_IN_COMPILE[how](m, p, x)
-    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x))()
+    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x), fullgraph=True)()
     for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+# torch.func over the ops themselves: an exported program's graph calls them directly.
+_FUNC_ON_OPS = {
+    "grad": lambda f, x: torch.func.grad(lambda x: f(x).square().sum())(x),
+    "jacrev": lambda f, x: torch.func.jacrev(f)(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+    "vmap": lambda f, x: torch.func.vmap(f)(x[None])[0],
+}
+
+
+@pytest.mark.parametrize("how", list(_FUNC_ON_OPS))
+@pytest.mark.parametrize("name", ALL)
+def test_torch_func_over_an_exported_program(name, how):
+    # grad, jacrev and jvp failed for every backend: an op reached under a transform ran its
+    # autograd Function from inside its kernel, where functorch has no kernel for it.
+    require_backend(name)
+    torch.manual_seed(0)
+    w, b = _params(torch.float32)
+    x = torch.randn(N, G * I)
+    program = torch.export.export(_layer(name, w, b), (x,)).module()
+    got = _FUNC_ON_OPS[how](program, x)
+    want = _FUNC_ON_OPS[how](lambda x: reference_loop(x, w.double(), b.double()), x.double())
+    _close(got, want, torch.float32, k=G * I, what=f"{how} of the exported {name}")
+
+
+def test_vmap_inside_torch_compile_batches_auto_inline_once():
+    # Without a vmap rule for blockdiag::auto_inline, a compiled vmap (the ensembling recipe)
+    # ran torch's batched fallback: the op, and its planning, once per vmapped slice.
+    from blockdiag.ops import auto as auto_module
+
+    torch.manual_seed(0)
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    x = torch.randn(4, N, G * I)
+    planned = []
+    real = auto_module.choice
+
+    def spy(x2, *args, **kwargs):
+        planned.append(x2.shape[0])
+        return real(x2, *args, **kwargs)
+
+    auto_module.choice = spy
+    try:
+        got = torch.compile(torch.func.vmap(layer), fullgraph=True)(x)
+    finally:
+        auto_module.choice = real
+    _close(got, torch.stack([reference_loop(s.double(), w.double(), b.double()) for s in x]), torch.float32)
+    assert planned and set(planned) == {4 * N}, f"auto_inline planned batches {planned}, want one of {4 * N} rows"
 
 
 # ------------------------------------------------------------------------- TorchScript

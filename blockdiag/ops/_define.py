@@ -230,8 +230,8 @@ class OpEntry:
 
         Not while dynamo traces: it cannot trace a Function with a custom ``jvp`` and breaks
         the graph, and a break inside a traced ``vmap`` ran the kernel on garbage. The op
-        itself has a vmap rule, and its autograd kernel takes the Function when the graph is
-        traced under a transform.
+        itself has a vmap rule, and under a traced transform its autograd kernel runs the
+        product as torch ops (:func:`transform_forward`).
         """
         if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
             return self._py_fn.apply(x, weight, bias)
@@ -554,10 +554,7 @@ def define(entry: OpEntry) -> OpEntry:
 
     def autograd_kernel(keyset, x, weight, bias):
         if torch._C._are_functorch_transforms_active():
-            # A graph traced inside a torch.func transform (torch.compile around
-            # torch.func.grad: dynamo reaches the op with the transform's tensors) needs the
-            # Function that functorch can run (setup_context), as call_op picks in eager.
-            return entry._py_fn.apply(x, weight, bias)
+            return transform_forward(entry)(x, weight, bias)
         if _records(x, weight, bias) or _fwad._current_level >= 0:
             return entry._op_fn.apply(x, weight, bias, keyset)
         return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
@@ -567,6 +564,35 @@ def define(entry: OpEntry) -> OpEntry:
     _register_flops(entry.fwd_op, entry.bwd_op)
     _ENTRIES[name] = entry
     return entry
+
+
+def torch_ops_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The grouped product in plain torch ops (one ``bmm``), every derivative and batching rule torch's.
+
+    >>> w = torch.randn(2, 3, 4); x = torch.randn(5, 8)
+    >>> torch_ops_product(x, w, None).shape
+    torch.Size([5, 6])
+    """
+    g, o, i = weight.shape
+    n = x.shape[0]
+    y = torch.bmm(x.reshape(n, g, i).transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)
+    return y if bias is None else y + bias
+
+
+def transform_forward(entry: Optional[OpEntry]) -> Forward:
+    """The forward an op runs when it is reached under a ``torch.func`` transform.
+
+    That happens where the op is called directly under the transform (an exported
+    program's graph run under ``torch.func.grad``) and where ``torch.compile`` traces a
+    transform (dynamo and AOTAutograd call the op with the transform's tensors). There
+    functorch cannot run an autograd Function from inside an op's kernel: its
+    ``custom_function_call`` has no kernel below the transform's layer, a limit torch's own
+    ``custom_op`` shares. So the op runs its product as torch ops, which every transform
+    differentiates and batches itself, and a compiled transform is one graph: the backend's
+    forward where it is torch ops (``inlinable``), else :func:`torch_ops_product`. In eager
+    mode the layers call the Function themselves (``call_op``), and their kernels run.
+    """
+    return entry.forward if entry is not None and entry.inlinable else torch_ops_product
 
 
 def entries() -> dict[str, OpEntry]:

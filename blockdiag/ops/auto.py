@@ -57,6 +57,7 @@ from ._define import (
     fake_backward,
     generic_backward,
     rows_pay,
+    transform_forward,
 )
 
 __all__ = ["auto", "auto_inline", "choice", "native_routes", "route_token", "traced_routes"]
@@ -206,9 +207,7 @@ _Functorch = _named(_Functorch, "auto_Func")
 
 def _autograd_kernel(keyset, x, weight, bias, train):
     if torch._C._are_functorch_transforms_active():
-        # Traced inside a torch.func transform (torch.compile around torch.func.grad): the
-        # Function functorch can run, as auto() picks in eager (see _define's autograd kernel).
-        return _Functorch.apply(x, weight, bias, train)
+        return _transform_forward(x, weight, train)(x, weight, bias)
     if _records(x, weight, bias) or _fwad._current_level >= 0:
         return _OpAutograd.apply(x, weight, bias, train, keyset)
     return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
@@ -218,6 +217,14 @@ def _vmap(info, in_dims, x, weight, bias, train):
     from ._define import _vmap_rule
 
     return _vmap_rule(lambda a, b, c: FORWARD(a, b, c, train))(info, in_dims[:3], x, weight, bias)
+
+
+def _vmap_inline(info, in_dims, x, weight, bias, train, state=""):
+    # Without a rule, vmap inside torch.compile (the ensembling recipe) ran torch's batched
+    # fallback: the op once per vmapped slice.
+    from ._define import _vmap_rule
+
+    return _vmap_rule(lambda a, b, c: INLINE(a, b, c, train, state))(info, in_dims[:3], x, weight, bias)
 
 
 def _inline(x, weight, bias, train, state=""):
@@ -231,9 +238,8 @@ def _inline(x, weight, bias, train, state=""):
     if isinstance(x.shape[0], torch.SymInt) or any(map(_is_subclass, (x, weight, bias))):
         return FORWARD(x, weight, bias, train)
     if torch._C._are_functorch_transforms_active():
-        # The op, whose autograd kernel takes the Function functorch can run: the eager and
-        # native routes' Functions have no setup_context, which a transform needs.
-        return FORWARD(x, weight, bias, train)
+        # torch.compile tracing a torch.func transform: torch ops (see transform_forward).
+        return _transform_forward(x, weight, train)(x, weight, bias)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
             and route_token(entry.name, x.dtype) in state.split() and _fwad._current_level < 0:
@@ -251,6 +257,24 @@ def _inline(x, weight, bias, train, state=""):
     # The eager route: the forward's torch ops, inside the backend's autograd Function where
     # its backward is its own kernels, so the traced backward is the one eager runs.
     return entry.eager(x, weight, bias)
+
+
+def _transform_forward(x, weight, train: bool):
+    """:func:`~blockdiag.ops._define.transform_forward` of the plan's best-ranked backend in torch ops.
+
+    Where the batch is symbolic (the plan needs a number), or no candidate is in torch ops,
+    :func:`~blockdiag.ops._define.torch_ops_product`.
+    """
+    from ..dispatch import choose
+
+    if not isinstance(x.shape[0], torch.SymInt):
+        g, o, i = weight.shape
+        plan = choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train)))
+        for c in plan.candidates:
+            entry = _ENTRIES.get(c.name)
+            if c.ok and entry is not None and entry.inlinable:
+                return entry.forward
+    return transform_forward(None)
 
 
 def route_token(name: str, dtype: torch.dtype) -> str:
@@ -339,6 +363,7 @@ torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
 torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
 LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
+torch.library.register_vmap("blockdiag::auto_inline", _vmap_inline, lib=LIB)
 
 
 def _register_flops() -> None:
