@@ -24,7 +24,7 @@ import timeit
 import torch
 
 import blockdiag
-from blockdiag.cli import _provenance
+from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name
 from blockdiag.tuning._bench import _HeadsLoop
 

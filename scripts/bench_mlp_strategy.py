@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import blockdiag
-from blockdiag.cli import _provenance
+from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name
 
 # (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks, then

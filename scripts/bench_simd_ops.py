@@ -26,7 +26,8 @@ import torch
 
 from blockdiag import grouped_linear
 from blockdiag.backends import _simd_ops, get
-from blockdiag.cli import _kernel_grid_options, _provenance
+from blockdiag.cli._args import _kernel_grid_options
+from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name
 
 BATCHES = (32, 256, 2048)

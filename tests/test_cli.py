@@ -413,7 +413,8 @@ def test_python_dash_m_entry_point():
 
 
 def test_bench_defaults_to_the_target_grid_and_tune_full_adds_wide_blocks():
-    from blockdiag.cli import _grid, build_parser
+    from blockdiag.cli import build_parser
+    from blockdiag.cli._args import _grid
     from blockdiag.tuning import BENCH_GRID, GRIDS
 
     p = build_parser()
@@ -832,8 +833,8 @@ def test_bench_estimates_its_duration_before_starting(capsys, monkeypatch):
 
 
 def test_the_duration_estimate_and_its_basis(monkeypatch):
-    from blockdiag import _cli_format as fmt
-    from blockdiag.cli import _point_costs
+    from blockdiag.cli import _format as fmt
+    from blockdiag.cli._run import _point_costs
 
     monkeypatch.setattr(fmt.torch, "get_num_threads", lambda: 2)
     # The run the model is calibrated on: tune --full --mode both --max-gflop 20 took 634 s
@@ -853,8 +854,8 @@ def test_the_duration_estimate_and_its_basis(monkeypatch):
 
 
 def test_the_duration_estimate_counts_the_work_per_group(monkeypatch):
-    from blockdiag import _cli_format as fmt
-    from blockdiag.cli import _looping, _point_costs
+    from blockdiag.cli import _format as fmt
+    from blockdiag.cli._run import _looping, _point_costs
 
     monkeypatch.setattr(fmt.torch, "get_num_threads", lambda: 2)
     grid = tuning.Grid(batch=(256,), groups=(65536,), blocks=((1, 1),))
@@ -874,7 +875,7 @@ def test_the_duration_estimate_counts_the_work_per_group(monkeypatch):
 
 
 def test_a_column_of_times_has_one_unit_chosen_from_its_values():
-    from blockdiag import _cli_format as fmt
+    from blockdiag.cli import _format as fmt
 
     # The column: 6171us beside 24.45ms. One unit, from the column's largest value.
     col = [6171.0, 24450.0, 91.0, None]
@@ -883,7 +884,7 @@ def test_a_column_of_times_has_one_unit_chosen_from_its_values():
 
 
 def test_the_summary_labels_every_figure():
-    from blockdiag import _cli_format as fmt
+    from blockdiag.cli import _format as fmt
 
     text = fmt.summary_lines("forward", {"points": 3, "geomean_auto_over_fastest": 1.0234, "worst_point": "B=4",
                                          "median_fraction_of_ideal": 0.5, "a_new_figure": 7})
@@ -895,7 +896,7 @@ def test_the_summary_labels_every_figure():
 
 @pytest.mark.parametrize("cost,says", [(-17.9, "below zero: less than this run's timing noise"), (3.2, None)])
 def test_a_negative_dispatch_cost_is_called_noise(cost, says):
-    from blockdiag import _cli_format as fmt
+    from blockdiag.cli import _format as fmt
 
     line = fmt.summary_lines("train", {"median_dispatch_overhead_us": cost}).splitlines()[1]
     assert f"{cost:.1f} us" in line
@@ -1007,20 +1008,20 @@ def test_results_name_their_commit_and_whether_it_was_edited(tmp_path, monkeypat
     import shutil
     import subprocess
 
-    from blockdiag import cli
+    from blockdiag.cli import _run
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     root = tmp_path / "repo"
-    pkg = root / "blockdiag"
+    pkg = root / "blockdiag" / "cli"
     pkg.mkdir(parents=True)
-    (pkg / "cli.py").write_text("x = 1\n")
+    (pkg / "_run.py").write_text("x = 1\n")
     git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "one"], check=True)
-    monkeypatch.setattr(cli, "__file__", str(pkg / "cli.py"))
-    clean = cli._provenance()
+    monkeypatch.setattr(_run, "__file__", str(pkg / "_run.py"))
+    clean = _run._provenance()
     assert len(clean["commit"]) == 40 and clean["commit_dirty"] is False
-    (pkg / "cli.py").write_text("x = 2\n")
-    assert cli._provenance()["commit_dirty"] is True
+    (pkg / "_run.py").write_text("x = 2\n")
+    assert _run._provenance()["commit_dirty"] is True

@@ -71,10 +71,10 @@ def test_a_grid_larger_than_the_memory_is_refused_before_allocating(cmd):
 
 
 def test_max_gflop_leaves_the_huge_points_out_of_the_estimate(monkeypatch, tmp_path):
-    from blockdiag import cli
+    from blockdiag.cli import _checks
 
     seen = []
-    monkeypatch.setattr(cli, "_memory_limit", lambda: 1 << 40)
+    monkeypatch.setattr(_checks, "_memory_limit", lambda: 1 << 40)
     monkeypatch.setattr("blockdiag.tuning.bench", lambda grid, **kw: seen.append(grid) or [])
     assert main(["bench", "--batch", "2,100000000", "--groups", "2", "--blocks", "2x2", "--max-gflop", "1",
                  "--mode", "forward", "--no-baselines"]) == 0
@@ -125,12 +125,10 @@ def test_bench_json_unwritable_is_refused_before_the_run(tmp_path, monkeypatch, 
 
 def test_bench_json_unwritable_as_seen_by_os_access(tmp_path, monkeypatch, capsys):
     # The same check where the test runs as root: os.access says what the user may do.
-    from blockdiag import cli
-
     target = tmp_path / "x.json"
     target.write_text("{}")
     real = os.access
-    monkeypatch.setattr(cli.os, "access", lambda p, mode: False if str(p) == str(target) else real(p, mode))
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(target) else real(p, mode))
     monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
     _refused(["bench", *TINY, "--json", str(target)], "--json", "not writable", capsys=capsys)
 

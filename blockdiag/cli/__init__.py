@@ -1,0 +1,233 @@
+"""The ``blockdiag`` command (also ``python -m blockdiag``): ``demo`` and the tuning tools.
+
+One module per command (``demo``, ``tune`` with ``explain``, ``bench``); the argument
+types, the refusals before any work and what the measuring commands share beside them.
+
+Every mistake in the arguments (a device this machine lacks, a non-float dtype, a grid too
+large for the memory, an output path that cannot be written) is refused before any work
+starts, with one line on stderr naming the option and the value, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import _format as fmt
+from ._args import (
+    _DTYPES,
+    _add_grid_options,
+    _block,
+    _compiled_models,
+    _device_type,
+    _dtype,
+    _finite_nonneg_float,
+    _learning_rate,
+    _parse_hidden,
+    _path,
+    _positive,
+    _seed,
+)
+from .bench import cmd_bench
+from .demo import cmd_demo
+from .tune import cmd_explain, cmd_tune
+
+__all__ = ["main"]
+
+
+@contextlib.contextmanager
+def _quiet_torch_betas():
+    """Hide torch's "... is in beta" notices (sparse CSR/BSR) while our commands run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*support is in beta state", category=UserWarning)
+        yield
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Warnings shown while our commands run (a corrupt profile's ProfileWarning) as one line
+    each, ``blockdiag explain: ProfileWarning: ...``, without the source file and line."""
+    original = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        text = " ".join(str(message).split()).removeprefix("blockdiag: ")
+        return f"blockdiag {command}: {category.__name__}: {text}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit status 2, without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    p = _Parser(
+        prog="blockdiag",
+        description="blockdiag: many small independent linear layers (ensemble, multi-task and per-agent "
+                    "heads) as one block-diagonal operation. These commands show the speed-up, and measure "
+                    "and explain which multiply auto picks on this machine.",
+        epilog="examples:\n"
+               "  blockdiag demo                 # the forum's 50 heads: loop against GroupedMLP\n"
+               "  blockdiag explain --batch 256 --groups 50 --block 150x10\n"
+               "  blockdiag tune                 # measure this machine, write its profile\n"
+               "  blockdiag bench --quick        # every backend against auto and the baselines\n"
+               "\n"
+               "'blockdiag COMMAND --help' gives a command's options and examples.",
+        formatter_class=fmt.HelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"blockdiag {__version__} (torch {torch.__version__})")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    d = sub.add_parser(
+        "demo", help="train the forum's loop-of-heads model and GroupedMLP side by side",
+        description="Train the forum thread's model (a Python loop over independent heads, then cat) and "
+                    "the same heads as one GroupedMLP, interleaved epoch by epoch, and print both losses "
+                    "and the speed-up.",
+        epilog="example:\n  blockdiag demo --heads 50 --epochs 3",
+        formatter_class=fmt.HelpFormatter,
+    )
+    d.add_argument("--heads", type=_positive, default=50, help="independent heads")
+    d.add_argument("--in-features", type=_positive, default=150, help="input features every head reads")
+    d.add_argument("--hidden", type=_parse_hidden, default=[10, 10],
+                   help="hidden sizes, comma-separated, e.g. 10,10 ('' for one linear layer per head)")
+    d.add_argument("--out-features", type=_positive, default=1, help="outputs per head")
+    d.add_argument("--batch", type=_positive, default=64, help="rows per training step")
+    d.add_argument("--samples", type=_positive, default=4096, help="training samples (random)")
+    d.add_argument("--epochs", type=_positive, default=3, help="epochs of each model")
+    d.add_argument("--lr", type=_learning_rate, default=1e-3, help="Adam's learning rate")
+    d.add_argument("--seed", type=_seed, default=0, help="random seed")
+    d.set_defaults(func=cmd_demo)
+
+    from ..tuning import BENCH_REFINE, TIE_MARGIN
+
+    t = sub.add_parser(
+        "tune", help="measure the backends on this machine and write a tuning profile",
+        description="Time every backend at each point of a grid on this machine and merge the winners into "
+                    "the tuning profile that auto reads. Before it starts, tune names the profile file it "
+                    "will write and estimates how long the run takes (on stderr).\n\n"
+                    "Its defaults differ from bench's on purpose: tune times every backend at every "
+                    "point, so it defaults to the quick grid (18 shapes, a minute or two on a 2-core CPU; "
+                    "the target grid's 48, with 256x256 blocks, take about eight times as long), and "
+                    "near-ties within 5% get more rounds, since the winner it records is a ranking; "
+                    "bench's verdicts are 10% margins (auto within 1.10 of the fastest), so it refines "
+                    "at 10%.",
+        epilog="examples:\n"
+               "  # the quick grid, training only: about a minute on a 2-core CPU\n"
+               "  blockdiag tune --mode train\n"
+               "  # one shape, into a profile of its own\n"
+               "  blockdiag tune --blocks 150x10 --groups 50 --batch 256 --profile /tmp/p.json\n"
+               "  # the built-in table's grid, and its decision map\n"
+               "  blockdiag tune --full --max-gflop 20 --plot map.png",
+        formatter_class=fmt.HelpFormatter,
+    )
+    _add_grid_options(t, "quick", "profile file to merge the results into")
+    t.add_argument("--plot", type=_path, metavar="FILE.png",
+                   help="also draw the decision map, 800 px wide (needs matplotlib; default: none)")
+    t.add_argument("--refine", type=_finite_nonneg_float, default=TIE_MARGIN, metavar="FRACTION",
+                   help=f"backends within this fraction of the fastest get --repeat more rounds "
+                        f"(default {TIE_MARGIN:g}; 0 disables)")
+    t.add_argument("--no-rematch", dest="rematch", action="store_false",
+                   help="do not retime the points where the winner is not the earlier table's choice")
+    t.set_defaults(func=cmd_tune)
+
+    e = sub.add_parser(
+        "explain", help="print the plan auto follows for one shape, and why",
+        description="Print the plan auto follows for one problem: the backend, the table entry it comes "
+                    "from, the candidates and why the others were left out. Nothing is run or timed, so "
+                    "the device need not be present.",
+        epilog="example:\n  blockdiag explain --batch 256 --groups 50 --block 150x10 --train",
+        formatter_class=fmt.HelpFormatter,
+    )
+    e.add_argument("--batch", type=_positive, required=True, help="rows (the product of the leading dimensions)")
+    e.add_argument("--groups", type=_positive, required=True, help="groups (heads)")
+    e.add_argument("--block", type=_block, required=True, help="IN x OUT per group, e.g. 10x10 or 150x10")
+    e.add_argument("--train", action="store_true", help="plan for forward+backward (default: forward only)")
+    e.add_argument("--device", type=_device_type, default="cpu",
+                   help="device type to plan for (cpu, cuda, ...); no device is needed")
+    e.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)}")
+    e.add_argument("--profile", type=_path, help="profile file to read (default $BLOCKDIAG_PROFILE or the user cache directory)")
+    e.set_defaults(func=cmd_explain)
+
+    b = sub.add_parser(
+        "bench", help="time every backend, auto, the ideal GEMM and the baselines over a grid",
+        description="Time every backend, auto, the ideal GEMM and the baselines (the nn.Linear loop, vmap "
+                    "ensembling) over a grid, in interleaved rounds, and print each point's times and "
+                    "ratios measured in the same run, then a summary per mode. Before it starts, bench "
+                    "estimates how long the run takes (on stderr). Writes nothing unless --json is given.\n\n"
+                    "Its defaults differ from tune's on purpose: bench checks the project's performance "
+                    "targets, so it defaults to the target grid (48 shapes, about 20 minutes on a 2-core "
+                    "CPU; --quick: a minute or two), and refines at 10% because its "
+                    "verdicts are 10% margins (auto within 1.10 of the fastest); tune refines near-ties "
+                    "at 5%.",
+        epilog="examples:\n"
+               "  # the quick grid, forward only: about a minute on a 2-core CPU\n"
+               "  blockdiag bench --quick --mode forward\n"
+               "  # three backends at two block shapes, every result into a file\n"
+               "  blockdiag bench --blocks 10x10,150x10 --backends simd,bmm_fm,loop \\\n"
+               "      --json out.json\n"
+               "  # torch.compile(GroupedLinear) against the compiled loop and vmap\n"
+               "  blockdiag bench --compiled linear --batch 256 --groups 16",
+        formatter_class=fmt.HelpFormatter,
+    )
+    _add_grid_options(b, "targets", "profile file auto reads")
+    b.add_argument("--json", type=_path, metavar="FILE",
+                   help="also write all results (with peak memory) as JSON (default: none, the table only)")
+    b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
+    b.add_argument("--refine", type=_finite_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",
+                   help=f"auto, its choice, the nn.Linear loop and the backends within this fraction of "
+                        f"the fastest get --repeat more rounds (default {BENCH_REFINE:g}; 0 disables)")
+    # A flag, not a --mode value: --mode says which pass is timed (and is tune's option too),
+    # --compiled says what is compared; the two combine (--mode forward --compiled is valid).
+    b.add_argument("--compiled", nargs="?", const=("linear", "mlp"), type=_compiled_models, metavar="MODELS",
+                   help="instead of the backends, time torch.compile(GroupedLinear) and torch.compile(GroupedMLP) "
+                        "(MODELS: linear, mlp, or linear,mlp, the default) against torch.compile of the nn.Linear loop "
+                        "and of vmap ensembling, with the eager blockdiag module in the same rounds; reports "
+                        "compiled/eager and compiled/best compiled peer. A flag rather than a --mode value "
+                        "because it changes what is compared, not which pass: --mode still picks the pass "
+                        "and here defaults to train. Graphs are compiled once per point (dynamic=False, "
+                        "dynamo reset between points), compile time excluded; a method that fails to compile "
+                        "or differs from eager is reported in its row. --backends adds blockdiag modules "
+                        "with those backends forced (default: auto only); no peak memory is recorded")
+    b.add_argument("--compiler", default="inductor", metavar="BACKEND",
+                   help="torch.compile's backend for --compiled (default inductor; aot_eager traces the "
+                        "same graphs without code generation, to find failures fast)")
+    # None: both, or train with --compiled (cmd_bench resolves it).
+    b.set_defaults(func=cmd_bench, mode=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``blockdiag`` console script.
+
+    Returns:
+        the exit status: 0 on success, 2 on a bad argument or a command refused with a
+        :class:`~blockdiag.BlockDiagError` (an unknown backend name, an unwritable file, a
+        grid too large for the memory, ...), whose message is printed to stderr as one line.
+    """
+    from .._errors import BlockDiagError
+
+    args = build_parser().parse_args(argv)
+    try:
+        with _quiet_torch_betas(), _one_line_warnings(args.command):
+            return args.func(args)
+    except BlockDiagError as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"blockdiag {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"blockdiag {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,104 @@
+"""``blockdiag tune`` (measure this machine, write its profile) and ``blockdiag explain`` (one plan)."""
+
+from __future__ import annotations
+
+import sys
+
+from . import _format as fmt
+from ._args import _grid, _modes
+from ._checks import (
+    _check_backends,
+    _check_grid_memory,
+    _check_output,
+    _check_plot_format,
+    _check_profile_input,
+)
+from ._run import _announce, _looping, _point_costs, _runnable_names
+
+
+def cmd_tune(args) -> int:
+    from .. import profile as prof
+    from .._errors import BlockDiagError
+    from ..tuning import cross_check, merge_entry, plot_decision_map, tune
+
+    _check_backends(args.backends, args.device, args.dtype)
+    _check_output("--plot", args.plot)
+    _check_plot_format(args.plot)
+    grid = _grid(args, "quick")
+    modes = _modes(args)
+    _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
+    path = args.profile if args.profile is not None else prof.default_profile_path()
+    _check_output("--profile" if args.profile is not None else "the default profile", str(path), makes_dirs=True)
+    timed = args.backends or _runnable_names(args.device)
+    n_backends = len(timed)
+    points = _point_costs(grid, modes, args.max_gflop)
+    if not points:
+        raise BlockDiagError(f"--max-gflop {args.max_gflop:g} skips every point of the grid: nothing to measure")
+    writes = f"{path}" + (f" and the decision map {args.plot}" if args.plot else "")
+    _announce("tune", args, len(points), modes, writes,
+              fmt.estimate_line(points, n_backends, "backends", args.repeat, args.min_time, args.device,
+                                "pruning the slow backends saves some, refining near-ties and rematching "
+                                "add some", loops=_looping(timed)))
+    doc, _ = prof.read_profile(path)
+    key = prof.profile_key(args.device, args.dtype)
+    old = (doc or {}).get("entries", {}).get(key)
+    # The second opinion for rematches: this machine's earlier tune where there is one
+    # (same device and torch), else the built-in table.
+    entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
+                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
+                 refine=args.refine, rematch=args.rematch, prior=old, progress=sys.stderr)
+    if not entry["measurements"]:
+        raise BlockDiagError("tune: no point was measured, so nothing was written (an empty entry would "
+                             "replace the built-in table for this machine)")
+    # Merged into the entry the file holds when it is written (under its lock), not the one
+    # read before the measuring: another run may have saved meanwhile.
+    kept: dict = {}
+
+    def merge(stored, new):
+        kept["entry"] = merge_entry(stored, new)
+        return kept["entry"]
+
+    written = prof.save_entry(entry, path, merge=merge)
+    entry = kept["entry"]
+    wins: dict[str, int] = {}
+    for m in entry["measurements"]:
+        if m["times_us"]:
+            best = min(m["times_us"], key=m["times_us"].get)
+            wins[best] = wins.get(best, 0) + 1
+    print(f"wrote {written} (entry {key!r})")
+    print("winners: " + ", ".join(f"{n} {k}" for n, k in sorted(wins.items(), key=lambda kv: -kv[1])))
+    r = entry.get("rematched")
+    if r is not None:
+        print(f"rematched {r['points']} points where the winner was not {r['prior']}'s choice "
+              f"({r['rounds']} rounds each); {r['overturned']} overturned")
+    s = entry["settings"]
+    thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
+    print(f"measured sparsity_threshold: {thr}; dense_max_groups: {s['dense_max_groups']}; "
+          f"dense_max_elements: {s['dense_max_elements']}")
+    for mode, c in cross_check(entry).items():
+        print(f"cross-check, {mode} (each point ranked from the others, chosen/fastest): "
+              f"geomean {c['geomean']:.3f}, worst {c['worst']:.2f} at {c['worst_point']}, "
+              f"{c['within_1.10']} of {c['points']} within 1.10")
+    if args.plot:
+        print(f"decision map: {plot_decision_map(entry, args.plot)}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from ..backends import Problem
+    from ..dispatch import choose
+    from ..settings import config
+
+    _check_profile_input(args.profile)
+    p = Problem(args.batch, args.groups, args.block[0], args.block[1], args.dtype, args.device, args.train)
+    if args.profile:
+        with config(profile=args.profile):
+            plan = choose(p)
+    else:
+        plan = choose(p)
+    print(plan)
+    if p.device == "cpu":  # which of simd's kernel variants runs here (avx512, avx2, neon), or why none
+        from ..backends import simd
+
+        print(simd.variant_note())
+    return 0
