@@ -361,6 +361,26 @@ def test_from_heads_groups_several_elementwise_modules_between_linears(strategy)
     assert [type(m) for m in GroupedMLP.from_heads(back).activations[0]] == [nn.ReLU, nn.Dropout]
 
 
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_to_heads_gives_back_a_heads_own_nested_sequential(strategy):
+    # A head built as Linear, Sequential(ReLU, Dropout), Linear, Sequential(Tanh) came back
+    # flat: the same function, but state-dict keys and indexing that differ from the head's.
+    torch.manual_seed(0)
+    heads = nn.ModuleList(
+        nn.Sequential(nn.Linear(6, 5), nn.Sequential(nn.ReLU(), nn.Dropout(0.2)), nn.Linear(5, 2),
+                      nn.Sequential(nn.Tanh())) for _ in range(3)
+    ).double().eval()
+    model = GroupedMLP.from_heads(heads, strategy=strategy).eval()
+    x = torch.randn(7, 6, dtype=torch.float64)
+    _, yr = _agree_with_heads(model, lambda x: torch.cat([h(x) for h in heads], -1), x)
+    back = model.to_heads()
+    assert repr(back[0]) == repr(heads[0])
+    assert back[0].state_dict().keys() == heads[0].state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([h.eval()(x) for h in back], -1), yr)
+    assert repr(GroupedMLP.from_heads(back).to_heads()[1]) == repr(heads[1])
+
+
 def test_dropout_between_linears_trains_as_dropout():
     # In training the grouped Dropout drops hidden units as each head's would: with p=1
     # every hidden unit is dropped and each head's output is its last bias alone.

@@ -1011,11 +1011,16 @@ class GroupedMLP(nn.Module):
             device=w0.device, dtype=w0.dtype,
         )
         # The modules between two Linears: one is the activation itself, several one
-        # nn.Sequential (to_heads writes them back one by one).
+        # nn.Sequential (to_heads writes them back one by one). A head's own nn.Sequential
+        # is one of the several, so that to_heads gives it back nested, as the head had it.
         between = [[copy.deepcopy(m) for m in ref[a + 1:b]] for a, b in zip(at, at[1:] + [len(ref)])]
         last = between.pop()  # after the last Linear: the output activation, if any
-        model.activations = nn.ModuleList(ms[0] if len(ms) == 1 else nn.Sequential(*ms) for ms in between)
-        model.output_activation = None if not last else last[0] if len(last) == 1 else nn.Sequential(*last)
+
+        def steps(ms: list) -> nn.Module:
+            return ms[0] if len(ms) == 1 and type(ms[0]) is not nn.Sequential else nn.Sequential(*ms)
+
+        model.activations = nn.ModuleList(steps(ms) for ms in between)
+        model.output_activation = steps(last) if last else None
         with torch.no_grad():
             for k, layer in enumerate(model.layers):
                 lins = [list(head)[at[k]] for head in heads]
