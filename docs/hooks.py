@@ -793,8 +793,11 @@ def simd_blas_grads_markdown(name: str) -> str:
     route = {"op": "its C++ ops", "ctypes": "its ctypes wrappers"}.get(d.get("route", "ctypes"))
     rule = f"both gradients BLAS's from {least} elements a block (`BLAS_GRADS_MIN_BLOCK`)"
     if w_least is not None:
+        many = d.get("blas_weight_grad_many")
         rule += (f", the weight gradient alone from {w_least} elements over at most {w_rows} rows"
                  + (f" with {w_groups} groups or more" if w_groups is not None else "")
+                 + (f", or over at most {many['max_rows']} rows with {many['groups']} groups or more where a "
+                    f"block has {many['min_in']} inputs or more" if many is not None else "")
                  + " (`BLAS_WEIGHT_GRAD_*`)")
     out = [
         _script_preamble(d, name, f", {d.get('dtype', '?')}, `{d.get('simd_variant', '?')}` kernels, blockdiag at "

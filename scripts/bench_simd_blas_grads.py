@@ -3,7 +3,8 @@
 ``simd`` computes its gradients with its own kernels or with torch's BLAS products, by the
 rule of ``blockdiag.backends._simd_ops.blas_grads``: both gradients BLAS's from
 ``BLAS_GRADS_MIN_BLOCK`` elements a block, the weight gradient alone from
-``BLAS_WEIGHT_GRAD_MIN_BLOCK`` over at most ``BLAS_WEIGHT_GRAD_MAX_ROWS`` rows. BLAS's products
+``BLAS_WEIGHT_GRAD_MIN_BLOCK`` over at most ``BLAS_WEIGHT_GRAD_MAX_ROWS`` rows (more with
+many groups: ``BLAS_WEIGHT_GRAD_MANY_*``). BLAS's products
 are the ``loop`` backend's backward: the input gradient one ``mm`` per group written into its
 slice, the weight gradient one ``bmm`` of strided views, the bias gradient a ``sum``. This
 script times both methods on the same operands at each point, the input gradient and the
@@ -34,11 +35,12 @@ import torch
 from blockdiag import grouped_linear, tuning
 from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.backends.loop import _backward as blas_backward
-from blockdiag.cli import _kernel_grid_options, _provenance
+from blockdiag.cli._args import _kernel_grid_options
+from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name
 
 BATCHES = (32, 256, 512, 2048)
-GROUPS = (4, 16, 50)
+GROUPS = (4, 16, 32, 50)
 BLOCKS = ((64, 64), (128, 128), (64, 256), (256, 64), (256, 256), (512, 512))
 ROUTES = ("op", "ctypes")
 # What the rule is switched off with in this process (the C++ ops are built with it).
@@ -124,7 +126,10 @@ def main(argv=None) -> int:
     rule = {"blas_grads_min_block": _simd_ops.BLAS_GRADS_MIN_BLOCK,
             "blas_weight_grad_min_block": _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK,
             "blas_weight_grad_max_rows": _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS,
-            "blas_weight_grad_min_groups": _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS}
+            "blas_weight_grad_min_groups": _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS,
+            "blas_weight_grad_many": {"groups": _simd_ops.BLAS_WEIGHT_GRAD_MANY_GROUPS,
+                                      "max_rows": _simd_ops.BLAS_WEIGHT_GRAD_MANY_MAX_ROWS,
+                                      "min_in": _simd_ops.BLAS_WEIGHT_GRAD_MANY_MIN_IN}}
     points = [(bsz, g, i, o) for bsz in args.batch for g in args.groups for i, o in args.blocks
               if bsz * g * i * o <= MAX_MACS]
     runs = {pt: _simd_ops.blas_grads(*pt) for pt in points}  # the rule as the library has it

@@ -29,5 +29,6 @@ def test_bench_simd_blas_grads_tiny_run_writes_its_json(tmp_path):
     assert row["weight_blas_over_kernels"] == pytest.approx(t["weight_blas"] / t["weight_kernels"], rel=1e-2)
     assert d["blas_grads_min_block"] == _simd_ops.BLAS_GRADS_MIN_BLOCK
     assert d["blas_weight_grad_max_rows"] == _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS
+    assert d["blas_weight_grad_many"]["max_rows"] == _simd_ops.BLAS_WEIGHT_GRAD_MANY_MAX_ROWS
     assert d["route"] == "op" and row["simd_runs"] == {"input": "kernels", "weight": "kernels"}
     assert d["command"].startswith("python scripts/bench_simd_blas_grads.py --batch 8")

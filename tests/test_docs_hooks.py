@@ -113,6 +113,10 @@ def test_the_simd_blas_grads_results_render_every_row(hooks):
                              "blas_weight_grad_min_groups")] == [
         _simd_ops.BLAS_GRADS_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS,
         _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS]
+    assert doc["blas_weight_grad_many"] == {"groups": _simd_ops.BLAS_WEIGHT_GRAD_MANY_GROUPS,
+                                            "max_rows": _simd_ops.BLAS_WEIGHT_GRAD_MANY_MAX_ROWS,
+                                            "min_in": _simd_ops.BLAS_WEIGHT_GRAD_MANY_MIN_IN}
+    assert f"or over at most {_simd_ops.BLAS_WEIGHT_GRAD_MANY_MAX_ROWS} rows" in text
     for r in doc["rows"]:
         rule = _simd_ops.blas_grads(r["batch"], r["groups"], r["block_in"], r["block_out"])
         runs = ", ".join("BLAS" if v else "kernels" for v in rule)

@@ -361,14 +361,22 @@ def test_the_weight_gradient_alone_takes_blas_over_few_rows(native, kind):
     # over at most BLAS_WEIGHT_GRAD_MAX_ROWS rows and with BLAS_WEIGHT_GRAD_MIN_GROUPS groups
     # or more, the weight and bias gradients are BLAS's (a bmm, a sum) and the input gradient
     # the kernels', in both routes; one row more, one group fewer or one element fewer, and
-    # all three are the kernels'. The bias gradients tell the methods apart (see above).
+    # all three are the kernels'. With BLAS_WEIGHT_GRAD_MANY_GROUPS groups, the same up to
+    # BLAS_WEIGHT_GRAD_MANY_MAX_ROWS rows where a block has BLAS_WEIGHT_GRAD_MANY_MIN_IN
+    # inputs or more. The bias gradients tell the methods apart (see above).
     from blockdiag.backends.loop import _backward as blas
 
     rows, groups = _simd_ops.BLAS_WEIGHT_GRAD_MAX_ROWS, _simd_ops.BLAS_WEIGHT_GRAD_MIN_GROUPS
     assert (_simd_ops.BLAS_WEIGHT_GRAD_MIN_BLOCK, rows, groups) == (128 * 128, 256, 16)
+    many, many_rows, many_in = (_simd_ops.BLAS_WEIGHT_GRAD_MANY_GROUPS, _simd_ops.BLAS_WEIGHT_GRAD_MANY_MAX_ROWS,
+                                _simd_ops.BLAS_WEIGHT_GRAD_MANY_MIN_IN)
+    assert (many, many_rows, many_in) == (32, 512, 128)
     cases = (((37, groups, 128, 128), True), ((rows, groups, 128, 128), True),
              ((rows + 1, groups, 128, 128), False), ((37, groups - 1, 128, 128), False),
-             ((37, groups, 127, 129), False))
+             ((37, groups, 127, 129), False),
+             ((rows + 1, many, 128, 128), True), ((many_rows, many, 128, 128), True),
+             ((many_rows + 1, many, 128, 128), False), ((rows + 1, many - 1, 128, 128), False),
+             ((rows + 1, many, many_in - 1, 130), False))
     for (n, g, i, o), weight_by_blas in cases:
         assert _simd_ops.blas_grads(n, g, i, o) == (False, weight_by_blas)
         x, w, gy = _large_operands(kind, n, g, i, o)

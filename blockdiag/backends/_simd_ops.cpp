@@ -27,8 +27,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) || \
-    !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_GROUPS)
+#if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) ||        \
+    !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_GROUPS) ||   \
+    !defined(BD_BLAS_WEIGHT_GRAD_MANY_GROUPS) || !defined(BD_BLAS_WEIGHT_GRAD_MANY_MAX_ROWS) || \
+    !defined(BD_BLAS_WEIGHT_GRAD_MANY_MIN_IN)
 #error "BD_BLAS_* are defined by the build command in _simd_ops.py (BLAS_GRADS_MIN_BLOCK, BLAS_WEIGHT_GRAD_*)"
 #endif
 
@@ -149,8 +151,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   // is the rule and says why.
   const bool blas_input = i * o >= BD_BLAS_GRADS_MIN_BLOCK;
   const bool blas_weight =
-      blas_input || (i * o >= BD_BLAS_WEIGHT_GRAD_MIN_BLOCK && n <= BD_BLAS_WEIGHT_GRAD_MAX_ROWS &&
-                     g >= BD_BLAS_WEIGHT_GRAD_MIN_GROUPS);
+      blas_input || (i * o >= BD_BLAS_WEIGHT_GRAD_MIN_BLOCK &&
+                     ((n <= BD_BLAS_WEIGHT_GRAD_MAX_ROWS && g >= BD_BLAS_WEIGHT_GRAD_MIN_GROUPS) ||
+                      (n <= BD_BLAS_WEIGHT_GRAD_MANY_MAX_ROWS && g >= BD_BLAS_WEIGHT_GRAD_MANY_GROUPS &&
+                       i >= BD_BLAS_WEIGHT_GRAD_MANY_MIN_IN)));
   if (need_input && blas_input) {
     gx = at::empty({n, g * i}, gy.options());
     for (int64_t k = 0; k < g; k++) {

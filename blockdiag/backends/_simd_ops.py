@@ -74,6 +74,16 @@ BLAS_WEIGHT_GRAD_MIN_BLOCK = 128 * 128
 BLAS_WEIGHT_GRAD_MAX_ROWS = 256
 BLAS_WEIGHT_GRAD_MIN_GROUPS = 16
 
+# With many groups the batched call pays over more rows, where the block's reduction is over
+# at least BLAS_WEIGHT_GRAD_MANY_MIN_IN inputs: with BLAS_WEIGHT_GRAD_MANY_GROUPS groups or
+# more, the weight gradient is BLAS's over at most BLAS_WEIGHT_GRAD_MANY_MAX_ROWS rows. Timed
+# as whole training steps from 320 to 768 rows with 32 and 50 groups, BLAS was faster at
+# every such point up to 512 rows and level or mixed at 768; blocks of 64 inputs (64x256)
+# were level or slower above 256 rows, and 16 groups mixed (scripts/bench_simd_blas_grads.py).
+BLAS_WEIGHT_GRAD_MANY_GROUPS = 32
+BLAS_WEIGHT_GRAD_MANY_MAX_ROWS = 512
+BLAS_WEIGHT_GRAD_MANY_MIN_IN = 128
+
 
 def blas_grads(rows: int, groups: int, block_in: int, block_out: int) -> tuple[bool, bool]:
     """Whether simd's (input, weight) gradients at this size are BLAS's products, not its kernels'.
@@ -84,11 +94,15 @@ def blas_grads(rows: int, groups: int, block_in: int, block_out: int) -> tuple[b
 
     >>> blas_grads(2048, 4, 256, 256), blas_grads(256, 16, 128, 128), blas_grads(257, 16, 128, 128)
     ((True, True), (False, True), (False, False))
+    >>> blas_grads(512, 32, 128, 128), blas_grads(512, 32, 64, 256), blas_grads(513, 32, 128, 128)
+    ((False, True), (False, False), (False, False))
     """
     area = block_in * block_out
     both = area >= BLAS_GRADS_MIN_BLOCK
-    weight = (area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and rows <= BLAS_WEIGHT_GRAD_MAX_ROWS
-              and groups >= BLAS_WEIGHT_GRAD_MIN_GROUPS)
+    weight = area >= BLAS_WEIGHT_GRAD_MIN_BLOCK and (
+        (rows <= BLAS_WEIGHT_GRAD_MAX_ROWS and groups >= BLAS_WEIGHT_GRAD_MIN_GROUPS)
+        or (rows <= BLAS_WEIGHT_GRAD_MANY_MAX_ROWS and groups >= BLAS_WEIGHT_GRAD_MANY_GROUPS
+            and block_in >= BLAS_WEIGHT_GRAD_MANY_MIN_IN))
     return both, both or weight
 
 
@@ -118,6 +132,9 @@ def _command(cxx: str, out: Path, source: Path) -> list:
             f"-DBD_BLAS_WEIGHT_GRAD_MIN_BLOCK={BLAS_WEIGHT_GRAD_MIN_BLOCK}",
             f"-DBD_BLAS_WEIGHT_GRAD_MAX_ROWS={BLAS_WEIGHT_GRAD_MAX_ROWS}",
             f"-DBD_BLAS_WEIGHT_GRAD_MIN_GROUPS={BLAS_WEIGHT_GRAD_MIN_GROUPS}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MANY_GROUPS={BLAS_WEIGHT_GRAD_MANY_GROUPS}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MANY_MAX_ROWS={BLAS_WEIGHT_GRAD_MANY_MAX_ROWS}",
+            f"-DBD_BLAS_WEIGHT_GRAD_MANY_MIN_IN={BLAS_WEIGHT_GRAD_MANY_MIN_IN}",
             *(f"-I{p}" for p in includes), "-o", str(out),
             "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
 
