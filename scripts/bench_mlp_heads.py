@@ -7,7 +7,7 @@ does. This script times, at each point of ``blockdiag bench``'s grid and for the
 not) of ``auto``, of ``heads`` and of the loop of heads, each eager and under
 ``torch.compile(dynamic=False)`` (keys with ``_c``), in interleaved rounds, the median kept.
 The rule by which a traced ``auto`` runs the heads (``TRACED_HEADS_RULE`` in
-``blockdiag/nn/mlp.py``) rests on it.
+``blockdiag/nn/mlp/strategy.py``) rests on it.
 
     OMP_NUM_THREADS=1 python scripts/bench_mlp_heads.py [--rounds 5] [--json docs/results/mlp-heads-strategy-avx512.json]
 """

@@ -8,7 +8,7 @@ per-layer sums cannot rank the two strategies, and this script times the models 
 For each model and batch: an Adam training step (``train``) and an inference forward
 (``forward``), each strategy forced, in interleaved rounds (the order rotated each round),
 the median kept. It records what ``auto`` decides and the table's per-layer sums beside it.
-The CPU rule in ``blockdiag/nn/mlp.py`` (``CHAIN_WHEREVER_ALLOWED``) rests on this.
+The CPU rule in ``blockdiag/nn/mlp/strategy.py`` (``CHAIN_WHEREVER_ALLOWED``) rests on this.
 
     python scripts/bench_mlp_strategy.py [--rounds 15] [--json docs/results/mlp-strategy-cpu.json]
 """

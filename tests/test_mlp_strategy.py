@@ -14,7 +14,8 @@ from torch.nn.utils import parametrize, prune
 import blockdiag
 from blockdiag import BlockDiagError, GroupedMLP
 from blockdiag.dispatch import Candidate, Plan
-from blockdiag.nn import mlp as mlp_mod
+from blockdiag.nn.mlp import activations as mlp_activations
+from blockdiag.nn.mlp import strategy as mlp_mod
 from blockdiag.nn.linear import GroupedLinear
 
 F64 = dict(rtol=1e-12, atol=1e-12)
@@ -245,7 +246,7 @@ def test_a_sequential_activation_is_in_place_only_after_torch_nn_steps():
     # A step of the caller's own may return a tensor it keeps: the step after it must not
     # overwrite that tensor; after a torch.nn step (here Identity, which returns its
     # input) the tensor is the chain's own and may be overwritten.
-    from blockdiag.nn.mlp import _in_place
+    from blockdiag.nn.mlp.activations import _in_place
 
     class Kept(nn.Module):
         def __init__(self):
@@ -535,7 +536,7 @@ def test_a_subclass_of_an_elementwise_module_is_accepted():
         heads = nn.ModuleList(nn.Sequential(nn.Linear(6, 3), cls(), nn.Linear(3, 2)) for _ in range(3)).double()
         x = torch.randn(5, 6, dtype=torch.float64)
         torch.testing.assert_close(GroupedMLP.from_heads(heads)(x), torch.cat([h(x) for h in heads], -1))
-    assert mlp_mod._not_elementwise_base(nn.Dropout()) is None
+    assert mlp_activations._not_elementwise_base(nn.Dropout()) is None
 
 
 # ---------------------------------------------------------------- FSDP2, one shard per layer

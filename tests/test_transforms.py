@@ -45,7 +45,7 @@ import blockdiag
 from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
-from blockdiag.nn import mlp as mlp_module
+from blockdiag.nn.mlp import strategy as mlp_module
 
 from _params import DTYPES, backend_spy, backends_and_auto, require_backend
 
@@ -1102,7 +1102,7 @@ def test_traced_auto_keeps_off_the_heads_where_they_are_not_allowed(blocker, mon
 def test_exported_mlp_runs_the_chain_on_cpu(strategy, lo, chain_spy):
     # torch.export traces with FakeTensor parameters: they count as plain, so the exported
     # program is the chain (torch ops only), with a dynamic batch (whatever its range: the
-    # batch is told from a number by comparisons, nn/mlp.py's _concrete).
+    # batch is told from a number by comparisons, nn/mlp/strategy.py's _concrete).
     model = _mlp("auto")
     model.strategy = strategy
     x = torch.randn(lo + 3, 6, dtype=torch.float64)
