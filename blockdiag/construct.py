@@ -64,13 +64,18 @@ def block_diag_dense(blocks: Blocks) -> torch.Tensor:
         blocks: ``[G, r, c]`` tensor or a sequence of ``G`` tensors of shape ``[r, c]``.
 
     Returns:
-        ``[G*r, G*c]`` tensor, differentiable w.r.t. ``blocks``.
+        a new ``[G*r, G*c]`` tensor (never a view of ``blocks``, as ``torch.block_diag``
+            gives), differentiable w.r.t. ``blocks``.
 
     Raises:
         BlockDiagError: if the blocks are not 2-D, differ in shape, dtype or device,
             or are not floating point.
     """
-    return dense_from_blocks(as_blocks("block_diag_dense", blocks))
+    w = as_blocks("block_diag_dense", blocks)
+    # One block is the matrix itself: dense_from_blocks returns it as a view (the dense
+    # backend's hot path needs no copy); a caller writing into the result must not write
+    # into the blocks.
+    return dense_from_blocks(w) if w.shape[0] > 1 else w[0].clone()
 
 
 def block_diag_mask(
@@ -162,7 +167,9 @@ def block_diag_csr(blocks: Blocks) -> torch.Tensor:
 
     Returns:
         ``torch.sparse_csr`` tensor ``[G*r, G*c]``; its ``values()`` are
-            ``blocks.reshape(-1)`` (differentiable w.r.t. ``blocks``).
+            ``blocks.reshape(-1)`` (differentiable w.r.t. ``blocks``), the blocks' own
+            storage where ``blocks`` is a contiguous tensor, as torch's sparse constructors
+            take their values: writing into one writes into the other.
 
     Raises:
         BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).
@@ -185,7 +192,9 @@ def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> 
             ``(math.gcd(r, c),) * 2`` always divides.)
 
     Returns:
-        ``torch.sparse_bsr`` tensor ``[G*r, G*c]``.
+        ``torch.sparse_bsr`` tensor ``[G*r, G*c]``; with the default blocksize its
+            ``values()`` are the blocks, in their own storage where ``blocks`` is a
+            contiguous tensor (see :func:`block_diag_csr`).
 
     Raises:
         BlockDiagError: on malformed blocks or a blocksize that does not divide the block shape.
@@ -219,7 +228,8 @@ def block_diag_coo(blocks: Blocks) -> torch.Tensor:
 
     Returns:
         coalesced ``torch.sparse_coo`` tensor ``[G*r, G*c]`` whose values are
-            ``blocks.reshape(-1)``.
+            ``blocks.reshape(-1)``, in the blocks' own storage where ``blocks`` is a
+            contiguous tensor (see :func:`block_diag_csr`).
 
     Raises:
         BlockDiagError: on malformed blocks (see :func:`block_diag_dense`).

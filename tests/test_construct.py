@@ -83,6 +83,21 @@ def test_dense_gradcheck():
     assert torch.autograd.gradcheck(block_diag_dense, (b,))
 
 
+@pytest.mark.parametrize("layout", list(BUILDERS))
+@pytest.mark.parametrize("g", [1, 3])
+def test_which_builders_share_the_blocks_storage(layout, g):
+    # The dense matrix is always new: with one block the builder returned the block itself
+    # (a view), so writing into the matrix wrote into the caller's weights, which
+    # torch.block_diag never does. The sparse matrices' values are the blocks, as torch's
+    # sparse constructors take their values (documented).
+    b = torch.randn(g, 2, 3)
+    kept = b.clone()
+    m = BUILDERS[layout][0](b)
+    vals = m if layout == "dense" else m.coalesce().values() if layout == "coo" else m.values()
+    vals.add_(1.0)
+    assert torch.equal(b, kept if layout == "dense" else kept + 1.0), layout
+
+
 def test_bsr_blocksize():
     b = _blocks(2, 4, 6)
     m = block_diag_bsr(b, blocksize=(2, 2))
