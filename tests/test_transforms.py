@@ -1414,6 +1414,19 @@ def test_torch_func_inside_torch_compile(name, how):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("how", ["grad", "vmap(grad)", "jvp"])
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain"])
+def test_torch_func_over_a_grouped_mlp_inside_torch_compile(strategy, how):
+    torch.manual_seed(0)
+    m = GroupedMLP(G * I, [6, 5], O, heads=G, strategy=strategy)
+    p = {k: v.detach() for k, v in m.named_parameters()}
+    x = torch.randn(N, G * I)
+    want = _FUNC_IN_COMPILE[how](m, p, x)
+    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x), fullgraph=True)()
+    for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
 # torch.func over the ops themselves: an exported program's graph calls them directly.
 _FUNC_ON_OPS = {
     "grad": lambda f, x: torch.func.grad(lambda x: f(x).square().sum())(x),
