@@ -1393,6 +1393,16 @@ _FUNC_IN_COMPILE = {
 }
 
 
+def _compiled_transform_matches_eager(m, how):
+    """``_FUNC_IN_COMPILE[how]`` over ``m``, compiled in one graph, against the same run eagerly."""
+    p = {k: v.detach() for k, v in m.named_parameters()}
+    x = torch.randn(N, G * I)
+    want = _FUNC_IN_COMPILE[how](m, p, x)
+    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x), fullgraph=True)()
+    for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("how", list(_FUNC_IN_COMPILE))
 @pytest.mark.parametrize("name", ALL)
 def test_torch_func_inside_torch_compile(name, how):
@@ -1405,26 +1415,14 @@ def test_torch_func_inside_torch_compile(name, how):
     require_backend(name)
     torch.manual_seed(0)
     w, b = _params(torch.float32)
-    m = _layer(name, w, b)
-    p = {k: v.detach() for k, v in m.named_parameters()}
-    x = torch.randn(N, G * I)
-    want = _FUNC_IN_COMPILE[how](m, p, x)
-    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x), fullgraph=True)()
-    for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    _compiled_transform_matches_eager(_layer(name, w, b), how)
 
 
 @pytest.mark.parametrize("how", ["grad", "vmap(grad)", "jvp"])
 @pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain"])
 def test_torch_func_over_a_grouped_mlp_inside_torch_compile(strategy, how):
     torch.manual_seed(0)
-    m = GroupedMLP(G * I, [6, 5], O, heads=G, strategy=strategy)
-    p = {k: v.detach() for k, v in m.named_parameters()}
-    x = torch.randn(N, G * I)
-    want = _FUNC_IN_COMPILE[how](m, p, x)
-    got = torch.compile(lambda: _FUNC_IN_COMPILE[how](m, p, x), fullgraph=True)()
-    for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    _compiled_transform_matches_eager(GroupedMLP(G * I, [6, 5], O, heads=G, strategy=strategy), how)
 
 
 # torch.func over the ops themselves: an exported program's graph calls them directly.
