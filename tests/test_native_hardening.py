@@ -352,7 +352,7 @@ def test_a_cxx_driver_compiles_the_sources_as_c(tmp_path):
     )
     target = tmp_path / "out" / "simd-test.so"
     target.parent.mkdir(mode=0o700)
-    assert simd._build(shutil.which("g++"), src, target) is None
+    assert simd._build((shutil.which("g++"),), src, target) is None
     lib, why = simd._load(target)
     assert why is None and hasattr(lib, "bd_abi_version")
     found, why = simd._entry_points(lib, target, "g++")  # every symbol looked up before use
@@ -426,11 +426,34 @@ def test_incomplete_elf_names_what_is_cut_short():
 
 
 @needs_cc
-def test_a_compiler_variable_with_arguments_is_named_as_such(stub_env, monkeypatch):
-    monkeypatch.setenv("CC", "gcc -O1")
-    simd._library.cache_clear()
-    why = simd._library()[1]
-    assert why is not None and "gcc -O1 is not on PATH (set $CC) (it has arguments" in why, why
+def test_a_compiler_variable_with_arguments_is_a_command(monkeypatch, tmp_path):
+    # ``CC="ccache gcc"`` and ``CC="gcc -m64"`` are how make and setuptools take $CC; they were
+    # refused ("not on PATH"). The arguments reach every compile. The real CPU's variant is
+    # built, into a cache of the test's own.
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "wrap"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    gcc = shutil.which("gcc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        monkeypatch.setenv("CC", f"{wrapper} {gcc} -DBD_TEST_FLAG")
+        simd._library.cache_clear()
+        kernels, why = simd._library()
+        assert why is None and kernels is not None, why
+        calls = log.read_text().splitlines()
+        assert calls and all(c.startswith(f"{gcc} -DBD_TEST_FLAG") for c in calls), calls
+        assert any("-O3" in c for c in calls), calls  # the build itself, not only --version
+        monkeypatch.setenv("CC", "nosuchcompiler-xyz -O1")
+        simd._library.cache_clear()
+        assert simd._library()[1] == "no C compiler: nosuchcompiler-xyz is not on PATH (set $CC)"
+        monkeypatch.setenv("CC", "gcc 'unclosed")
+        simd._library.cache_clear()
+        assert "does not split into a command" in simd._library()[1]
+    finally:
+        monkeypatch.undo()  # the next caller gets the library of the real environment
+        simd._library.cache_clear()
+        simd._check.cache_clear()
 
 
 # --- item 10: no planted library is ever loaded ---------------------------------------------

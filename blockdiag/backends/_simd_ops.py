@@ -37,8 +37,6 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import os
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -125,10 +123,10 @@ def _torch_paths() -> tuple[list, Path]:
     return [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"], root / "lib"
 
 
-def _command(cxx: str, out: Path, source: Path) -> list:
+def _command(cxx: tuple[str, ...], out: Path, source: Path) -> list:
     includes, libdir = _torch_paths()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DBD_BLAS_GRADS_MIN_BLOCK={BLAS_GRADS_MIN_BLOCK}",
+    return [*cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DBD_BLAS_GRADS_MIN_BLOCK={BLAS_GRADS_MIN_BLOCK}",
             f"-DBD_BLAS_WEIGHT_GRAD_MIN_BLOCK={BLAS_WEIGHT_GRAD_MIN_BLOCK}",
             f"-DBD_BLAS_WEIGHT_GRAD_MAX_ROWS={BLAS_WEIGHT_GRAD_MAX_ROWS}",
             f"-DBD_BLAS_WEIGHT_GRAD_MIN_GROUPS={BLAS_WEIGHT_GRAD_MIN_GROUPS}",
@@ -139,7 +137,7 @@ def _command(cxx: str, out: Path, source: Path) -> list:
             "-x", "c++", str(source), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
 
 
-def _build(cxx: str, source: Path, target: Path) -> Optional[str]:
+def _build(cxx: tuple[str, ...], source: Path, target: Path) -> Optional[str]:
     from . import simd
 
     with simd._staging(target) as tmp:
@@ -191,17 +189,16 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
     """
     from . import simd
 
-    cxx_name = os.environ.get("CXX") or "c++"
-    cxx = shutil.which(cxx_name)
+    cxx, why = simd.compiler_command("C++", "CXX", "c++")
     if cxx is None:
-        return None, simd.compiler_missing("C++", "CXX", cxx_name)
+        return None, why
     includes, _ = _torch_paths()
     if not (includes[0] / "torch" / "library.h").is_file():
         return None, f"the installed torch has no C++ headers ({includes[0]})"
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"cannot run the C++ compiler {cxx}: {e}"
+        return None, f"cannot run the C++ compiler {' '.join(cxx)}: {e}"
     source = Path(__file__).resolve().parent / _SOURCE
     digest = hashlib.sha256()
     # The command with placeholder paths: the source's content, not where it lies, names the build.

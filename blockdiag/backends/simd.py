@@ -39,7 +39,8 @@ runs (``blockdiag explain`` prints it).
 How it is built and found:
 
 - The sources are compiled on first use, on the machine that runs them, with the C compiler
-  ``$CC`` (default ``cc``; gcc and clang): ``-O3`` and the variant's flags (``VARIANTS``:
+  ``$CC`` (default ``cc``; gcc and clang; with its arguments, if any: ``compiler_command``):
+  ``-O3`` and the variant's flags (``VARIANTS``:
   ``-march=native -mno-avx512f -mavx2 -mfma`` for avx2, ``-march=armv8-a`` for neon) with
   ``-fopenmp``, as C (``-x c``) whatever the driver, so ``CC=g++`` works too. When the
   compiler has no OpenMP (``-fopenmp`` fails: clang without libomp), the kernels are built
@@ -95,6 +96,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import stat
 import struct
@@ -324,10 +326,30 @@ def _damage(data: bytes) -> Optional[str]:
     return _incomplete_elf(memoryview(data)[:size].tobytes())
 
 
-def compiler_missing(kind: str, var: str, name: str) -> str:
-    """Why no ``kind`` compiler (``$var`` naming ``name``) can be used: not on PATH, or given with arguments."""
-    args = f" (it has arguments: ${var} must name the compiler alone)" if len(name.split()) > 1 else ""
-    return f"no {kind} compiler: {name} is not on PATH (set ${var}){args}"
+def compiler_command(kind: str, var: str, default: str) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
+    """The command that runs the ``kind`` compiler named by ``$var`` (else ``default``), or ``(None, why not)``.
+
+    The variable may hold arguments, split as a shell splits them (``ccache gcc``,
+    ``gcc -m64``), as make and setuptools take ``$CC``; its first word is looked up on PATH.
+
+    >>> compiler_command("C", "BLOCKDIAG_EXAMPLE_CC", "no-such-cc")[1]
+    'no C compiler: no-such-cc is not on PATH (set $BLOCKDIAG_EXAMPLE_CC)'
+
+    Returns:
+        ``(command, None)``: the compiler's path, then the variable's arguments; or
+            ``(None, why not)``.
+    """
+    value = os.environ.get(var) or default
+    try:
+        words = shlex.split(value)
+    except ValueError as e:
+        return None, f"no {kind} compiler: ${var} is {value!r}, which does not split into a command ({e})"
+    if not words:
+        return None, f"no {kind} compiler: ${var} is {value!r}, which names no command"
+    path = shutil.which(words[0])
+    if path is None:
+        return None, f"no {kind} compiler: {words[0]} is not on PATH (set ${var})"
+    return (path, *words[1:]), None
 
 
 def _incomplete_elf(data: bytes) -> Optional[str]:
@@ -409,7 +431,7 @@ def _install(built: Path, target: Path, cmd: list) -> Optional[str]:
     return None
 
 
-def _build(cc: str, source_dir: Path, target: Path, flags: tuple = ()) -> Optional[str]:
+def _build(cc: tuple[str, ...], source_dir: Path, target: Path, flags: tuple = ()) -> Optional[str]:
     """Compile the kernels into ``target`` with their build record (atomically); why it failed, or None.
 
     ``flags``: the variant's (``VARIANTS``). With OpenMP first; when that fails, once more
@@ -419,7 +441,7 @@ def _build(cc: str, source_dir: Path, target: Path, flags: tuple = ()) -> Option
     with _staging(target) as tmp:
         for openmp in ((_OPENMP,), ()):
             # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
-            cmd = [cc, *_FLAGS, *flags, *openmp, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
+            cmd = [*cc, *_FLAGS, *flags, *openmp, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
             why = _compile(cmd, "the kernels")
             if why is None:
                 break
@@ -556,11 +578,11 @@ def _cached(name: str, fetch, what: str) -> tuple[Optional[object], Optional[str
     return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
 
 
-def _load_or_build(cc: str, source_dir: Path, path: Path,
+def _load_or_build(cc: tuple[str, ...], source_dir: Path, path: Path,
                    variant: str = "avx512") -> tuple[Optional[dict], Optional[str], bool]:
     """The kernels from ``path``, built there first if missing or damaged: ``(kernels, why not, final)``."""
     return _fetch(path, lambda p: _build(cc, source_dir, p, VARIANTS[variant]),
-                  lambda lib, p: _entry_points(lib, p, cc, variant), "the compiled kernels")
+                  lambda lib, p: _entry_points(lib, p, " ".join(cc), variant), "the compiled kernels")
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,17 +597,17 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     if chosen is None:
         return None, why
     _INFO.update(variant=chosen, openmp=None, forced=bool(os.environ.get(ISA_ENV, "").strip()))
-    cc = shutil.which(os.environ.get("CC") or "cc")
+    cc, why = compiler_command("C", "CC", "cc")
     if cc is None:
-        return None, compiler_missing("C", "CC", os.environ.get("CC") or "cc")
+        return None, why
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"cannot run the C compiler {cc}: {e}"
+        return None, f"cannot run the C compiler {' '.join(cc)}: {e}"
     source_dir = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     # The variant and its flags are part of the key and of the name: one library per CPU and variant.
-    for part in (str(_ABI), chosen, " ".join((*_FLAGS, *VARIANTS[chosen], _OPENMP)), cc, version, cpu):
+    for part in (str(_ABI), chosen, " ".join((*_FLAGS, *VARIANTS[chosen], _OPENMP)), " ".join(cc), version, cpu):
         digest.update(part.encode() + b"\0")
     for name in _SOURCES:
         digest.update((source_dir / name).read_bytes())
