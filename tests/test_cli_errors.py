@@ -304,3 +304,14 @@ def test_an_output_that_is_not_a_regular_file_is_refused_before_measuring(tmp_pa
     extra = ["--no-baselines"] if cmd == "bench" else []
     _refused([cmd, *TINY, *extra, option, str(fifo)], option, "is a FIFO, not a regular file", capsys=capsys)
     assert fifo.is_fifo()
+
+
+def test_tune_that_measured_nothing_writes_nothing(tmp_path, monkeypatch, capsys):
+    # Every point failed or was skipped while measuring: an empty entry would replace the
+    # built-in table for this machine, so nothing is written and the run says why.
+    profile = tmp_path / "p.json"
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda grid, **kw: {"measurements": []})
+    assert main(["tune", *TINY, "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert "no point was measured, so nothing was written" in err, err
+    assert not profile.exists()
