@@ -26,7 +26,7 @@ import torch
 import blockdiag
 from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name
-from blockdiag.tuning._bench import _HeadsLoop
+from blockdiag.tuning._compiled import _HeadsLoop
 
 # blockdiag bench's target grid, as bench --compiled runs it.
 BATCHES = (32, 256, 2048)

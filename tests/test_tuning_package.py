@@ -67,7 +67,7 @@ def test_every_name_the_project_uses_from_tuning_is_there():
 def test_no_module_of_the_package_is_hidden_by_a_name():
     # A package attribute is a function or a module, not both: were a module called like
     # the function it holds, `import blockdiag.tuning.<name> as m` would give the function.
-    assert {"_timer", "_tune", "_bench", "_memory", "_cross_check", "plot"} <= set(SUBMODULES)
+    assert {"_timer", "_tune", "_bench", "_compiled", "_memory", "_cross_check", "plot"} <= set(SUBMODULES)
     for sub in SUBMODULES:
         module = importlib.import_module(f"blockdiag.tuning.{sub}")
         assert getattr(tuning, sub, module) is module, sub

@@ -12,9 +12,9 @@ would otherwise dominate the run time.
 
 One module per job, all reached through this package: ``_timer`` (grids, inputs, the
 interleaved sampling of :func:`measure`), ``_tune`` (:func:`tune`, :func:`rematch`,
-:func:`derive_settings`), ``_memory`` (:func:`peak_memory`), ``_bench`` (:func:`bench`,
-:func:`bench_compiled` and their summaries), ``plot`` (:func:`plot_decision_map`) and
-``_cross_check`` (:func:`cross_check`). The names a module and a function would share are
+:func:`derive_settings`), ``_memory`` (:func:`peak_memory`), ``_bench`` (:func:`bench` and
+its summary), ``_compiled`` (:func:`bench_compiled` and its summary), ``plot``
+(:func:`plot_decision_map`) and ``_cross_check`` (:func:`cross_check`). The names a module and a function would share are
 taken by the functions: a package attribute is one or the other, and with a module
 ``bench.py`` beside the function ``bench``, ``import blockdiag.tuning.bench as B`` would give
 the function (the clash ``blockdiag.backends`` once had), so the modules are private
@@ -32,6 +32,24 @@ True
 # ruff: noqa: F401  (this module re-exports its submodules' names, private ones included, as before the split)
 
 from ..profile import MAX_RUNS, RUN_FIELDS, _run_record, merge_entry
+from ._bench import (
+    FAULTS_NOTED,
+    INTERVAL_LEVEL,
+    bench,
+    summarize,
+)
+from ._compiled import (
+    COMPILED_CONTROL,
+    COMPILED_MODELS,
+    COMPILED_PEERS,
+    COMPILED_TARGETS,
+    _HeadsLoop,
+    _VmapEnsemble,
+    bench_compiled,
+    summarize_compiled,
+)
+from ._cross_check import cross_check
+from ._memory import peak_memory
 from ._timer import (
     ALLOCATOR_ENV,
     BENCH_GRID,
@@ -58,23 +76,6 @@ from ._timer import (
     measure,
     median_interval,
 )
-from ._bench import (
-    COMPILED_CONTROL,
-    COMPILED_MODELS,
-    COMPILED_PEERS,
-    COMPILED_TARGETS,
-    FAULTS_NOTED,
-    INTERVAL_LEVEL,
-    _HeadsLoop,
-    _VmapEnsemble,
-    bench,
-    bench_compiled,
-    summarize,
-    summarize_compiled,
-)
-from ._cross_check import cross_check
-from ._memory import peak_memory
-from .plot import plot_decision_map
 from ._tune import (
     REMATCH_ROUNDS_FACTOR,
     _rematch_all,
@@ -84,6 +85,7 @@ from ._tune import (
     rematch,
     tune,
 )
+from .plot import plot_decision_map
 
 __all__ = [
     "Grid",
