@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiag import BlockDiagError, grouped_linear
-from blockdiag.backends import get, mkl_batch, simd
+from blockdiag.backends import _libcache, get, mkl_batch, simd
 from blockdiag.testing import reference_loop, tolerances
 
 MODULES = {"simd": simd, "mkl_batch": mkl_batch}
@@ -105,7 +105,7 @@ def _forged(folder: Path, marker: Path) -> bytes:
     out = folder / "planted.so"
     subprocess.run([CC, "-shared", "-fPIC", "-O0", "-o", str(out), "-x", "c", str(src)], check=True)
     data = out.read_bytes()
-    return data + simd._record(data)
+    return data + _libcache._record(data)
 
 
 @pytest.fixture
@@ -145,16 +145,16 @@ def test_damaged_cached_library_is_never_mapped_but_rebuilt_or_reported(tmp_path
     code = textwrap.dedent("""
         import ctypes, json, os
         from pathlib import Path
-        from blockdiag.backends import simd
+        from blockdiag.backends import _libcache, simd
         simd._cpu_description = lambda: "Stub CPU|avx512f"
         mapped, real_cdll = [], ctypes.CDLL
         def spy(name, *a, **k):
-            mapped.append(simd._damage(Path(name).read_bytes()))
+            mapped.append(_libcache._damage(Path(name).read_bytes()))
             return real_cdll(name, *a, **k)
         ctypes.CDLL = spy
         found, why = simd._library()
         assert found is not None, why
-        path = next(simd.kernel_dir().glob("simd-*.so"))
+        path = next(_libcache.kernel_dir().glob("simd-*.so"))
         good = path.read_bytes()
         def flip(data, at):
             data = bytearray(data); data[at] ^= 0xFF; return bytes(data)
@@ -162,7 +162,7 @@ def test_damaged_cached_library_is_never_mapped_but_rebuilt_or_reported(tmp_path
                    "flipped near the end": flip(good, len(good) - 100),
                    "flipped in the middle": flip(good, len(good) // 2),
                    "flipped in the record": flip(good, len(good) - 5),
-                   "no record": good[: -simd._RECORD.size],
+                   "no record": good[: -_libcache._RECORD.size],
                    "empty": b"", "100 bytes": good[:100], "longer": good + b"x"}
         out = {}
         for kind, data in damages.items():
@@ -179,7 +179,7 @@ def test_damaged_cached_library_is_never_mapped_but_rebuilt_or_reported(tmp_path
             simd._build = real_build
             simd._library.cache_clear()
             f2, why2 = simd._library()
-            out[kind] = [f1 is None, why1, f2 is not None, why2, simd._damage(path.read_bytes())]
+            out[kind] = [f1 is None, why1, f2 is not None, why2, _libcache._damage(path.read_bytes())]
         print(json.dumps({"out": out, "mapped": mapped}))
         """)
     rc, out, err = _python(code, env)
@@ -353,7 +353,7 @@ def test_a_cxx_driver_compiles_the_sources_as_c(tmp_path):
     target = tmp_path / "out" / "simd-test.so"
     target.parent.mkdir(mode=0o700)
     assert simd._build((shutil.which("g++"),), src, target) is None
-    lib, why = simd._load(target)
+    lib, why = _libcache._load(target)
     assert why is None and hasattr(lib, "bd_abi_version")
     found, why = simd._entry_points(lib, target, "g++")  # every symbol looked up before use
     assert found is None and f"does not export bd_forward_{simd._SUFFIX[torch.float32]}" in why, why
@@ -411,18 +411,18 @@ def test_incomplete_elf_names_what_is_cut_short():
     why = get("simd").unavailable_reason()
     if why is not None:
         pytest.skip(f"simd unavailable: {why}")
-    data = next(simd.kernel_dir().glob("simd-*.so")).read_bytes()
-    body = data[:len(data) - simd._RECORD.size]
-    assert simd._incomplete_elf(body) is None
-    assert "header tables end past" in simd._incomplete_elf(body[:len(body) // 2])
-    assert "no complete header" in simd._incomplete_elf(body[:40])
-    assert simd._incomplete_elf(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # not ELF: the loader decides
+    data = next(_libcache.kernel_dir().glob("simd-*.so")).read_bytes()
+    body = data[:len(data) - _libcache._RECORD.size]
+    assert _libcache._incomplete_elf(body) is None
+    assert "header tables end past" in _libcache._incomplete_elf(body[:len(body) // 2])
+    assert "no complete header" in _libcache._incomplete_elf(body[:40])
+    assert _libcache._incomplete_elf(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # not ELF: the loader decides
     # The section table intact but a segment past the end: each program header is checked.
     phoff = int.from_bytes(body[0x20:0x28], "little")
     cut = bytearray(body)
     cut[phoff + 8:phoff + 16] = (len(body)).to_bytes(8, "little")  # segment 0 starts at the end
     cut[phoff + 32:phoff + 40] = (16).to_bytes(8, "little")
-    assert "segment 0 ends at byte" in simd._incomplete_elf(bytes(cut))
+    assert "segment 0 ends at byte" in _libcache._incomplete_elf(bytes(cut))
 
 
 @needs_cc
@@ -464,7 +464,7 @@ def test_cache_folders_are_private_and_the_library_checked(stub_env):
     lib = _only_library(stub_env)
     for folder in (stub_env, stub_env.parent):
         assert _mode(folder) == 0o700 and os.stat(folder).st_uid == os.getuid()
-    assert _mode(lib) & 0o022 == 0 and simd._damage(lib.read_bytes()) is None
+    assert _mode(lib) & 0o022 == 0 and _libcache._damage(lib.read_bytes()) is None
     # One of ours that others may write is made private before use.
     stub_env.chmod(0o777)
     simd._library.cache_clear()
@@ -511,7 +511,7 @@ def test_a_planted_library_is_never_loaded(stub_env, monkeypatch, tmp_path, how)
         assert not target.is_symlink() and os.stat(target).st_uid == os.getuid()
         assert _mode(target) & 0o022 == 0
     if how in ("other owner's folder", "predictable temporary path"):  # built in a new private folder
-        private = simd._PRIVATE_TEMP[-1]
+        private = _libcache._PRIVATE_TEMP[-1]
         assert private.name != f"blockdiag-kernels-{os.getuid()}" and _mode(private) == 0o700
         assert (private / name).exists()
 

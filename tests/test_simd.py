@@ -9,6 +9,7 @@ build can fail.
 from __future__ import annotations
 
 import re
+import tempfile
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_library
     blocker = fresh_library / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # blockdiag/kernels cannot be made under a file
-    monkeypatch.setattr(simd.tempfile, "gettempdir", lambda: str(fresh_library / "tmp"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(fresh_library / "tmp"))
     assert simd._library()[1] is None
     assert any((fresh_library / "tmp").glob("blockdiag-kernels-*/simd-*.so"))
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiag import BlockDiagError, grouped_linear
-from blockdiag.backends import _simd_ops, get, simd
+from blockdiag.backends import _libcache, _simd_ops, get, simd
 from blockdiag.testing import reference_loop
 
 from _params import run_or_fail_on_hang
@@ -287,7 +287,7 @@ def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
     built.write_bytes(whole[: len(whole) // 2])
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the second process", env=env)
     assert rc == 0 and "armed" in out, err
-    assert simd._damage(built.read_bytes()) is None and len(built.read_bytes()) > len(whole) // 2
+    assert _libcache._damage(built.read_bytes()) is None and len(built.read_bytes()) > len(whole) // 2
 
 
 def test_through_ctypes_runs_the_wrappers_and_keeps_the_ops_armed(native):

@@ -44,6 +44,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._libcache import _cached, _compile, _fetch, _install, _staging, compiler_command
+
 __all__ = ["NativeOps", "arm", "disarm", "note", "ops", "through_ctypes"]
 
 _SOURCE = "_simd_ops.cpp"
@@ -138,12 +140,10 @@ def _command(cxx: tuple[str, ...], out: Path, source: Path) -> list:
 
 
 def _build(cxx: tuple[str, ...], source: Path, target: Path) -> Optional[str]:
-    from . import simd
-
-    with simd._staging(target) as tmp:
+    with _staging(target) as tmp:
         cmd = _command(cxx, tmp, source)
-        why = simd._compile(cmd, "simd's C++ ops")
-        return why if why is not None else simd._install(tmp, target, cmd)
+        why = _compile(cmd, "simd's C++ ops")
+        return why if why is not None else _install(tmp, target, cmd)
 
 
 def _fake_forward(x, weight, bias):
@@ -187,9 +187,7 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
 
     Never cleared: a library's ops are registered for the life of the process.
     """
-    from . import simd
-
-    cxx, why = simd.compiler_command("C++", "CXX", "c++")
+    cxx, why = compiler_command("C++", "CXX", "c++")
     if cxx is None:
         return None, why
     includes, _ = _torch_paths()
@@ -207,8 +205,8 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
         digest.update(part.encode() + b"\0")
     digest.update(source.read_bytes())
     name = f"{_PREFIX}{digest.hexdigest()[:20]}.so"
-    return simd._cached(name, lambda path: simd._fetch(path, lambda p: _build(cxx, source, p), _register,
-                                                      "simd's C++ ops"), "simd's C++ ops")
+    what = "simd's C++ ops"
+    return _cached(name, lambda path: _fetch(path, lambda p: _build(cxx, source, p), _register, what), what)
 
 
 # dtype -> NativeOps while armed with the current C library's kernels; dtype -> None once

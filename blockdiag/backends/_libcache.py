@@ -1,0 +1,318 @@
+"""Native libraries compiled on first use: the compiler, the private cache, the build record, the loader.
+
+What ``simd``'s C kernels and its C++ ops share: the compiler named by ``$CC`` or ``$CXX``
+(:func:`compiler_command`), a private cache folder (:func:`kernel_dir`, or a new private
+temporary folder when that one cannot be used), a library renamed into place with a record
+of its size and hash (:func:`_install`), and a loader that maps a file only after checking
+its owner, mode, record and ELF headers on the open file (:func:`_load`). See ``simd``'s
+note on how the kernels are built and found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import stat
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+
+# Every library file ends with this record, appended at build time and renamed into place with
+# the library in one step: a magic, the size of the library before it and its SHA-256. A file
+# is loaded only when the record matches its content, so a truncated, damaged or foreign file
+# is never mapped (mapping a truncated ELF file kills the process with SIGBUS).
+_RECORD = struct.Struct("<8sQ32s")
+_MAGIC = b"bdsimd\x00\x02"
+
+
+def kernel_dir() -> Path:
+    """Where compiled kernels are cached: ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "blockdiag" / "kernels"
+
+
+def _private(folder: Path) -> Optional[str]:
+    """Why ``folder`` may not hold libraries loaded into this process, or None.
+
+    It must be a folder owned by this user that no one else can write. One of ours that the
+    group or others may write (an older blockdiag's, or made under a permissive umask) is
+    first made private: the files in it are checked one by one before use anyway.
+    """
+    st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if st.st_uid != os.getuid():
+        return f"{folder} is owned by user id {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+        if os.stat(folder).st_mode & 0o022:
+            return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _cache_folder(folder: Path) -> Optional[str]:
+    """Make the cache ``folder`` (``.../blockdiag/kernels``) and its parent private to this user.
+
+    Created with mode 0700 when missing, then checked (:func:`_private`). Why it cannot be
+    used, or None.
+    """
+    try:
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        for f in (folder.parent, folder):
+            try:
+                os.mkdir(f, 0o700)
+            except FileExistsError:
+                pass
+            why = _private(f)
+            if why is not None:
+                return why
+    except OSError as e:
+        return f"cannot make the kernel cache {folder}: {e}"
+    return None
+
+
+_PRIVATE_TEMP: list = []
+
+
+def _private_temp_folder() -> Path:
+    """A new folder only this user can use (``mkdtemp``: mode 0700, an unpredictable name).
+
+    Removed at exit.
+    """
+    base = Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="blockdiag-kernels-", dir=base))
+    if not _PRIVATE_TEMP:
+        import atexit
+
+        atexit.register(_remove_private_temp, os.getpid())
+    _PRIVATE_TEMP.append(folder)
+    why = _private(folder)
+    if why is not None:
+        raise OSError(why)
+    return folder
+
+
+def _remove_private_temp(pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that exits normally
+        for folder in _PRIVATE_TEMP:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _record(library: bytes) -> bytes:
+    return _RECORD.pack(_MAGIC, len(library), hashlib.sha256(library).digest())
+
+
+def _damage(data: bytes) -> Optional[str]:
+    """Why ``data`` (a whole library file) is not a library as built here with its record, or None."""
+    if len(data) < _RECORD.size:
+        return f"is {len(data)} bytes, too short for a compiled library and its build record"
+    magic, size, digest = _RECORD.unpack_from(data, len(data) - _RECORD.size)
+    if magic != _MAGIC:
+        return "has no build record of this blockdiag (damaged, or not written by it)"
+    if size != len(data) - _RECORD.size:
+        return f"is damaged: {len(data) - _RECORD.size} bytes where {size} were built"
+    if hashlib.sha256(memoryview(data)[:size]).digest() != digest:
+        return "is damaged: its content hash differs from the one recorded when it was built"
+    return _incomplete_elf(memoryview(data)[:size].tobytes())
+
+
+def compiler_command(kind: str, var: str, default: str) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
+    """The command running the ``kind`` compiler that ``$var`` (else ``default``) names, or why none.
+
+    The variable may hold arguments, split as a shell splits them (``ccache gcc``,
+    ``gcc -m64``), as make and setuptools take ``$CC``; its first word is looked up on PATH.
+
+    >>> compiler_command("C", "BLOCKDIAG_EXAMPLE_CC", "no-such-cc")[1]
+    'no C compiler: no-such-cc is not on PATH (set $BLOCKDIAG_EXAMPLE_CC)'
+
+    Returns:
+        ``(command, None)``: the compiler's path, then the variable's arguments; or
+            ``(None, why not)``.
+    """
+    value = os.environ.get(var) or default
+    try:
+        words = shlex.split(value)
+    except ValueError as e:
+        return None, f"no {kind} compiler: ${var} is {value!r}, which does not split into a command ({e})"
+    if not words:
+        return None, f"no {kind} compiler: ${var} is {value!r}, which names no command"
+    path = shutil.which(words[0])
+    if path is None:
+        return None, f"no {kind} compiler: {words[0]} is not on PATH (set ${var})"
+    return (path, *words[1:]), None
+
+
+def _incomplete_elf(data: bytes) -> Optional[str]:
+    """Why the ELF file ``data`` is cut short (a table or segment past its end), or None.
+
+    The loader maps segments by the offsets in the headers: one past the end of the file is
+    mapped past it, and the first touch kills the process (SIGBUS). A compiler that exits 0
+    after writing part of its output (a full disk, a broken wrapper) leaves such a file.
+    Not ELF (another platform's format): None, the loader's own checks apply.
+    """
+    if data[:4] != b"\x7fELF":
+        return None
+    if len(data) < 64 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return f"is an ELF file of {len(data)} bytes with no complete header"
+    end = "<" if data[5] == 1 else ">"
+    if data[4] == 2:  # 64-bit
+        phoff, shoff = struct.unpack_from(end + "QQ", data, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x36)
+        seg = struct.Struct(end + "8xQ16xQ")  # p_offset, p_filesz
+    else:
+        phoff, shoff = struct.unpack_from(end + "II", data, 0x1C)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x2A)
+        seg = struct.Struct(end + "4xI8xI")
+    size = len(data)
+    if phoff + phnum * phentsize > size or (shoff and shoff + shnum * shentsize > size):
+        return f"is an ELF file cut short: its header tables end past its {size} bytes"
+    if phnum and phentsize < seg.size:
+        return f"is an ELF file with program headers of {phentsize} bytes"
+    for k in range(phnum):
+        offset, filesz = seg.unpack_from(data, phoff + k * phentsize)
+        if offset + filesz > size:
+            return f"is an ELF file cut short: segment {k} ends at byte {offset + filesz} of {size}"
+    return None
+
+
+@contextlib.contextmanager
+def _staging(target: Path):
+    """A new temporary file beside ``target`` for a compiler to write; removed unless installed.
+
+    Raises OSError when ``target``'s folder cannot be written.
+    """
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def _compile(cmd: list, what: str) -> Optional[str]:
+    """Run the compiler command ``cmd`` (``what`` it builds); why it failed, or None."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"compiling {what} with {cmd[0]} failed: {e}"
+    if done.returncode == 0:
+        return None
+    tail = " ".join(done.stderr.strip().splitlines()[-3:])
+    return f"compiling {what} with {cmd[0]} failed (exit {done.returncode}): {tail}"
+
+
+def _install(built: Path, target: Path, cmd: list) -> Optional[str]:
+    """Append the build record to the library ``built`` and rename it to ``target`` (one step).
+
+    Why it cannot be (the compiler wrote nothing), or None.
+    """
+    data = built.read_bytes()
+    if not data:
+        return f"the compiler {cmd[0]} exited 0 but produced no library ({' '.join(cmd)})"
+    why = _incomplete_elf(data)
+    if why is not None:
+        return f"the compiler {cmd[0]} exited 0 but its output {why} ({' '.join(cmd)})"
+    with open(built, "ab") as f:
+        f.write(_record(data))
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(built, 0o700)
+    os.replace(built, target)
+    return None
+
+
+def _load(path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """``(library, None)`` when ``path`` is this user's, private and intact, else ``(None, why not)``.
+
+    The file is opened once (no symbolic link followed) and its owner, mode and content are
+    checked on that open file; the loader then maps ``path``, which must still be that file
+    (same device and inode; only this user can write the folder). Not ``/proc/self/fd/N``:
+    the loader recognises libraries by name, so a later file opened under a reused
+    descriptor number would get the earlier library.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"cannot open {path}: {e}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file"
+        if st.st_uid != os.getuid():
+            return None, f"{path} is owned by user id {st.st_uid}, not by this user ({os.getuid()})"
+        if st.st_mode & 0o022:
+            return None, f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        why = _damage(b"".join(chunks))
+        if why is not None:
+            return None, f"{path} {why}"
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None, f"{path} was replaced while it was checked"
+            lib = ctypes.CDLL(str(path))
+            now = os.stat(path, follow_symlinks=False)
+        except OSError as e:
+            return None, f"cannot load the compiled kernels {path}: {e}"
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None, f"{path} was replaced while it was loaded"
+        return lib, None
+    finally:
+        os.close(fd)
+
+
+def _fetch(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
+    """The library at ``path``, built there first if missing or damaged: ``(found, why not, final)``.
+
+    ``build(path)`` compiles it (why it failed, or None; OSError when the folder cannot be
+    written); ``use(library, path)`` gives ``(found, why not)`` for a loaded library; ``what``
+    names it in messages. ``final``: the failure is the compiler's or the library's, which
+    another folder would not change.
+    """
+    stale = None
+    if os.path.lexists(path):
+        lib, stale = _load(path)
+        if lib is not None:
+            return (*use(lib, path), True)
+    try:
+        why = build(path)
+    except OSError as e:
+        return None, f"cannot write {what} to {path.parent}: {e}", False
+    if why is not None:
+        return None, why if stale is None else f"{stale}; rebuilding it: {why}", True
+    lib, why = _load(path)
+    if lib is None:
+        return None, f"the library just built is unusable: {why}", True
+    return (*use(lib, path), True)
+
+
+def _cached(name: str, fetch, what: str) -> tuple[Optional[object], Optional[str]]:
+    """``fetch(path)`` (see :func:`_fetch`) for library ``name`` in the private cache folder, or,
+    when that folder cannot be used, in a new private temporary folder for this process (never
+    a predictable name in a shared folder, where another user could plant a library first)."""
+    folder = kernel_dir()
+    why = _cache_folder(folder)
+    if why is None:
+        found, why, final = fetch(folder / name)
+        if found is not None or final:
+            return found, why
+    try:
+        temp = _private_temp_folder()
+    except OSError as e:
+        return None, f"no usable folder for {what}: {why}; no private temporary folder either: {e}"
+    found, why2, _ = fetch(temp / name)
+    return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
