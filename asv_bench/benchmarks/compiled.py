@@ -8,6 +8,9 @@ each against ``torch.compile`` of the loop of heads (``nn.Linear`` / ``nn.Sequen
 all holding the same weights. A training step is forward and backward. Every graph is
 compiled before timing (``dynamic=False``, dynamo reset first), so compile time is never timed.
 
+``CompiledTransformRatio`` times ``torch.func`` recipes (per-sample gradients, ensembling)
+compiled whole against the same recipes eager.
+
 ``CompiledRatio``'s two tracks are the numbers to watch (issue 21's targets in brackets):
 ``track_compiled_over_eager``, compiled blockdiag over eager blockdiag (<= 1.02 on geometric
 mean), and ``track_compiled_over_best_peer``, compiled blockdiag over the fastest compiled
@@ -188,3 +191,88 @@ class CompiledRatio:
 
     def track_compiled_over_best_peer(self, *_):
         return self.ratios["peer"]
+
+
+# ``torch.func`` recipes over a GroupedLinear, compiled whole (``fullgraph=True``) against the
+# same recipe eager: per-sample gradients (``vmap(grad)``) and model ensembling (``vmap`` over
+# eight stacked copies' parameters). Under a transform ``torch.compile`` records the product as
+# torch ops (docs/concepts.md), which it fuses with the transform's own work.
+TRANSFORMS = ["per_sample_grad", "ensemble"]
+TRANSFORM_SHAPES = grid(["8/32/16x16", "16/64/64x64"], ["3/4/6x4"])
+ENSEMBLE = 8
+
+
+def _transform_steps(transform, shape, device):
+    """``{"eager": recipe, "compiled": torch.compile(recipe, fullgraph=True)}``, both warm."""
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    torch._dynamo.reset()
+    g, n, block = shape.split("/")
+    g, n = int(g), int(n)
+    i, o = parse_block(block)
+    torch.manual_seed(0)
+    x = torch.randn(n, g * i, device=device)
+    if transform == "per_sample_grad":
+        m = blockdiag.GroupedLinear(g * i, g * o, g, device=device)
+        p = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(prm, row):
+            return functional_call(m, prm, (row[None],)).square().sum()
+
+        def recipe():
+            return vmap(grad(loss), in_dims=(None, 0))(p, x)
+    else:
+        models = [blockdiag.GroupedLinear(g * i, g * o, g, device=device) for _ in range(ENSEMBLE)]
+        params, buffers = stack_module_state(models)
+        base = models[0]
+
+        def recipe():
+            return vmap(lambda prm, buf, xx: functional_call(base, (prm, buf), (xx,)),
+                        in_dims=(0, 0, None))(params, buffers, x)
+
+    steps = {"eager": recipe, "compiled": torch.compile(recipe, fullgraph=True)}
+    for step in steps.values():
+        try_run(step)
+        step()
+    sync(device)
+    return steps
+
+
+class CompiledTransformRatio:
+    """A compiled ``torch.func`` recipe over its eager run, per recipe and shape, in one process."""
+
+    params = (TRANSFORMS, DEVICES, TRANSFORM_SHAPES)
+    param_names = ["transform", "device", "shape (groups/batch/in x out)"]
+    unit = "ratio"
+    timeout = 900
+
+    def setup_cache(self):
+        out = {}
+        for transform in TRANSFORMS:
+            for device in DEVICES:
+                for shape in TRANSFORM_SHAPES:
+                    try:
+                        steps = _transform_steps(transform, shape, device)
+                    except NotImplementedError:
+                        continue
+                    except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
+                        first = str(e).splitlines()[0] if str(e) else ""
+                        out[(transform, device, shape)] = f"{type(e).__name__}: {first}"
+                        continue
+                    samples = interleaved(steps, device)
+                    out[(transform, device, shape)] = ratio_of_minima(samples, "compiled", "eager")
+                    del steps
+        torch._dynamo.reset()
+        return out
+
+    def setup(self, cache, transform, device, shape):
+        require_device(device)
+        got = cache.get((transform, device, shape))
+        if got is None:
+            raise NotImplementedError("not measured here")
+        if isinstance(got, str):
+            raise RuntimeError(got)
+        self.ratio = got
+
+    def track_compiled_over_eager(self, *_):
+        return self.ratio
