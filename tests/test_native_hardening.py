@@ -471,6 +471,32 @@ def test_cache_folders_are_private_and_the_library_checked(stub_env):
     assert simd._library()[1] is None and _mode(stub_env) & 0o022 == 0
 
 
+@pytest.mark.parametrize("where", ["kernels", "blockdiag"])
+def test_a_cache_folder_linked_to_a_shared_folder_is_refused_untouched(tmp_path, where):
+    # The folder was made private by chmod through the link: a link to a world-writable
+    # folder (/tmp itself, as root) lost its sticky world-write mode.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    folder = tmp_path / "cache" / "blockdiag" / "kernels"
+    link = folder if where == "kernels" else folder.parent
+    link.parent.mkdir(parents=True, mode=0o700)
+    if where == "blockdiag":
+        (shared / "kernels").mkdir(mode=0o700)
+    link.symlink_to(shared)
+    why = _libcache._cache_folder(folder)
+    assert why is not None and "symbolic link to a folder others may write" in why, why
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    # A link to a private folder of this user's is used as it is.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link.unlink()
+    link.symlink_to(private)
+    if where == "blockdiag":
+        (private / "kernels").mkdir(mode=0o700)
+    assert _libcache._cache_folder(folder) is None
+
+
 @needs_cc
 @pytest.mark.parametrize("how", ["world-writable file", "symbolic link", "other owner",
                                  "other owner's folder", "predictable temporary path"])

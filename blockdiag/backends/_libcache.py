@@ -43,7 +43,9 @@ def _private(folder: Path) -> Optional[str]:
 
     It must be a folder owned by this user that no one else can write. One of ours that the
     group or others may write (an older blockdiag's, or made under a permissive umask) is
-    first made private: the files in it are checked one by one before use anyway.
+    first made private: the files in it are checked one by one before use anyway. Never
+    through a symbolic link: one to a folder of this user's that is private already is used,
+    but one to a shared folder (``/tmp``, which root owns) is refused, its mode untouched.
     """
     st = os.stat(folder)
     if not stat.S_ISDIR(st.st_mode):
@@ -51,7 +53,10 @@ def _private(folder: Path) -> Optional[str]:
     if st.st_uid != os.getuid():
         return f"{folder} is owned by user id {st.st_uid}, not by this user ({os.getuid()})"
     if st.st_mode & 0o022:
-        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022)
+        if os.path.islink(folder):
+            return (f"{folder} is a symbolic link to a folder others may write "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}), which is left as it is")
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~0o022, follow_symlinks=False)
         if os.stat(folder).st_mode & 0o022:
             return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
