@@ -514,6 +514,12 @@ class _TaggedLinear(nn.Linear):  # more state, nn.Linear's forward
         self.register_buffer("tag", torch.zeros(1))
 
 
+def _hooked_linear(i, o):
+    lin = nn.Linear(i, o)
+    lin.register_forward_hook(lambda m, inp, out: out * 100)
+    return lin
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -521,6 +527,7 @@ class _TaggedLinear(nn.Linear):  # more state, nn.Linear's forward
         pytest.param(lambda: _ScaledLinear(4, 3), r"is a _ScaledLinear, whose own forward", id="own-forward"),
         pytest.param(lambda: _TaggedLinear(4, 3), r"is a _TaggedLinear with more state than weight and bias \(tag\)", id="more-state"),
         pytest.param(lambda: nn.LazyLinear(3), r"is an uninitialized LazyLinear: run one forward", id="lazy"),
+        pytest.param(lambda: _hooked_linear(4, 3), r"has forward or backward hooks", id="hooked"),
     ],
 )
 def test_conversions_refuse_linears_that_compute_something_else(make, match):
@@ -530,6 +537,90 @@ def test_conversions_refuse_linears_that_compute_something_else(make, match):
     heads = [nn.Sequential(make(), nn.ReLU(), nn.Linear(3, 1)) for _ in range(2)]
     with pytest.raises(BlockDiagError, match=r"GroupedMLP.from_heads: heads\[0\]\[0\] " + match):
         GroupedMLP.from_heads(heads)
+
+
+class _Scale(nn.Module):  # stateless and element-wise; its setting is not in its repr
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _three_heads(act=nn.ReLU):
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(5, 4), act(), nn.Linear(4, 2)) for _ in range(3))
+
+
+@pytest.mark.parametrize(
+    "spoil, match",
+    [
+        pytest.param(lambda hs: hs[1][1].register_forward_hook(lambda m, i, o: o * 100),
+                     r"heads\[1\]\[1\] has forward or backward hooks", id="hook-on-an-activation"),
+        pytest.param(lambda hs: hs[0][1].register_forward_pre_hook(lambda m, i: (i[0] * 2,)),
+                     r"heads\[0\]\[1\] has forward or backward hooks", id="hook-on-the-first-head"),
+        pytest.param(lambda hs: hs[2].register_forward_hook(lambda m, i, o: o + 1),
+                     r"heads\[2\] has forward or backward hooks", id="hook-on-a-head"),
+        pytest.param(lambda hs: hs[2].eval(), r"heads\[2\] is in eval mode but heads\[0\] is in training mode",
+                     id="one-head-in-eval"),
+        pytest.param(lambda hs: hs[1][2].bias.requires_grad_(False),
+                     r"heads\[1\]\[2\] has requires_grad \{'weight': True, 'bias': False\}", id="one-frozen-bias"),
+        pytest.param(lambda hs: [hs[k].__setitem__(1, _Scale(k + 1)) for k in range(3)],
+                     r"heads\[1\]\[1\] is _Scale\(\) but heads\[0\]\[1\] is _Scale\(\) \(their s differ: 2 and 1\)",
+                     id="custom-activation-settings"),
+    ],
+)
+def test_from_heads_refuses_heads_it_would_run_differently(spoil, match):
+    # Each was converted silently into a model computing something else: a hook dropped (or
+    # one head's hook run for every head), one head's eval-mode Dropout or custom activation
+    # setting applied to all heads, one head's frozen parameter trained.
+    heads = _three_heads()
+    x = torch.randn(7, 5)
+    spoil(heads)
+    with pytest.raises(BlockDiagError, match=match):
+        GroupedMLP.from_heads(heads)
+
+
+def test_from_heads_and_to_heads_keep_training_mode_and_frozen_parameters():
+    heads = _three_heads(lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.5)))
+    for head in heads:
+        head[0].requires_grad_(False)
+    heads.eval()
+    model = GroupedMLP.from_heads(heads)
+    assert not model.training and not any(m.training for m in model.modules())
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(model(x), torch.cat([h(x) for h in heads], -1))
+    back = model.to_heads()
+    assert not any(m.training for m in back.modules() if m is not back)
+    assert [p.requires_grad for p in back[1].parameters()] == [False, False, True, True]
+    model.train()
+    assert all(m.training for h in model.to_heads() for m in h.modules())
+
+
+def test_from_linears_and_to_linears_keep_frozen_parameters():
+    lins = [nn.Linear(4, 3) for _ in range(2)]
+    for lin in lins:
+        lin.weight.requires_grad_(False)
+        lin.eval()
+    layer = GroupedLinear.from_linears(lins)
+    assert (layer.weight.requires_grad, layer.bias.requires_grad, layer.training) == (False, True, False)
+    back = layer.to_linears()
+    assert (back[1].weight.requires_grad, back[1].bias.requires_grad, back[1].training) == (False, True, False)
+    lins[1].bias.requires_grad_(False)
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] has requires_grad \{'weight': False, 'bias': False\}"):
+        GroupedLinear.from_linears(lins)
+
+
+def test_from_heads_takes_masked_heads():
+    # A masked Linear's class is made for it alone: heads[1][0] and heads[0][0], both
+    # ParametrizedLinear, were refused as different types.
+    heads = _three_heads()
+    for head in heads:
+        blockdiag.mask_block_diagonal_(head[2], 2)
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(GroupedMLP.from_heads(heads)(x), torch.cat([h(x) for h in heads], -1))
 
 
 def test_conversions_take_plain_linear_subclasses_and_masked_linears():

@@ -33,7 +33,7 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
 
     Raises:
         BlockDiagError: not an ``nn.Linear``, an uninitialized ``LazyLinear``, a subclass
-            with its own ``forward``, or other parameters, buffers or modules.
+            with its own ``forward``, other parameters, buffers or modules, or hooks.
     """
     check(fn, isinstance(lin, nn.Linear), f"{where} is a {type(lin).__name__}, not nn.Linear")
     check(
@@ -55,6 +55,20 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
         f"{where} is a {type(lin).__name__} with more state than weight and bias ({', '.join(extra)}), "
         "which converting would drop",
     )
+    hooked = lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks
+    check(fn, not hooked, f"{where} has forward or backward hooks, which the converted module would not run")
+
+
+def _requires_grad(lin: nn.Module) -> dict:
+    return {n: t.requires_grad for n, t in (("weight", lin.weight), ("bias", lin.bias)) if t is not None}
+
+
+def _copy_state(src: nn.Module, dst: nn.Module) -> None:
+    """``src``'s training flag and its parameters' ``requires_grad`` onto ``dst`` (a conversion's copy)."""
+    dst.training = src.training
+    dst.weight.requires_grad_(src.weight.requires_grad)
+    if src.bias is not None:
+        dst.bias.requires_grad_(src.bias.requires_grad)
 
 
 def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -440,6 +454,7 @@ class GroupedLinear(nn.Module):
         check(fn, len(linears) > 0, "linears is empty")
         first = linears[0]
         for k, lin in enumerate(linears):
+            _sharding.refuse_sharded(fn, lin, f"linears[{k}].")
             check_plain_linear(fn, lin, f"linears[{k}]")
             check(
                 fn,
@@ -456,8 +471,10 @@ class GroupedLinear(nn.Module):
             if lin.bias is not None:
                 # A bias in another dtype would be cast silently by the copy below: not lossless.
                 check_same_device_dtype(fn, **{"linears[0].weight": first.weight, f"linears[{k}].bias": lin.bias})
-        for k, lin in enumerate(linears):
-            _sharding.refuse_sharded(fn, lin, f"linears[{k}].")
+            frozen = _requires_grad(lin)
+            check(fn, frozen == _requires_grad(first),
+                  f"linears[{k}] has requires_grad {frozen} but linears[0] has {_requires_grad(first)}: "
+                  "the grouped layer holds one parameter for every group")
         g = len(linears)
         o, i = first.weight.shape
         layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,
@@ -466,6 +483,7 @@ class GroupedLinear(nn.Module):
             layer.weight.copy_(torch.stack([lin.weight for lin in linears]))
             if layer.bias is not None:
                 layer.bias.copy_(torch.cat([lin.bias for lin in linears]))
+        _copy_state(first, layer)
         return layer
 
     def to_linears(self) -> nn.ModuleList:
@@ -488,6 +506,7 @@ class GroupedLinear(nn.Module):
                 lin.weight.copy_(self.weight[g])
                 if self.bias is not None:
                     lin.bias.copy_(self.bias[g * self.block_out:(g + 1) * self.block_out])
+            _copy_state(self, lin)
             out.append(lin)
         return out
 

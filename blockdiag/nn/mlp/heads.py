@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 from ..._checks import check
 from ...ops._sharding import refuse_sharded
-from ..linear import check_plain_linear
-from .activations import _check_activation
+from ..linear import _copy_state, _requires_grad, check_plain_linear
+from .activations import _check_activation, _hooked
 
 
 def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, backend: str, strategy: str):
@@ -37,14 +38,24 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
             len(mods) == len(ref),
             f"heads[{h}] has {len(mods)} modules but heads[0] has {len(ref)}",
         )
+        refuse_sharded(fn, head, f"heads.{h}.")  # DTensor heads (FSDP2's hooks too): gather them first
+        check(fn, not _hooked(head), f"heads[{h}] has forward or backward hooks, which the grouped model would not run")
+        check(fn, head.training == heads[0].training,
+              f"heads[{h}] is in {_mode(head)} mode but heads[0] is in {_mode(heads[0])} mode")
         for k, (m, r) in enumerate(zip(mods, ref)):
+            # A parametrized module's class is made for it alone (masked Linears): its own class counts.
             check(
                 fn,
-                type(m) is type(r),
+                type_before_parametrizations(m) is type_before_parametrizations(r),
                 f"heads[{h}][{k}] is {type(m).__name__} but heads[0][{k}] is {type(r).__name__}",
             )
+            check(fn, m.training == r.training,
+                  f"heads[{h}][{k}] is in {_mode(m)} mode but heads[0][{k}] is in {_mode(r)} mode")
             if isinstance(r, nn.Linear):
                 check_plain_linear(fn, m, f"heads[{h}][{k}]")
+                check(fn, _requires_grad(m) == _requires_grad(r),
+                      f"heads[{h}][{k}] has requires_grad {_requires_grad(m)} but heads[0][{k}] has "
+                      f"{_requires_grad(r)}: each grouped layer holds one parameter for every head")
                 check(
                     fn,
                     m.weight.shape == r.weight.shape and (m.bias is None) == (r.bias is None),
@@ -60,12 +71,11 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                 )
             else:
                 _check_activation(fn, m, f"heads[{h}][{k}]")
-                check(
-                    fn,
-                    repr(m) == repr(r),
-                    f"heads[{h}][{k}] is {m!r} but heads[0][{k}] is {r!r}",
-                )
-    refuse_sharded(fn, nn.ModuleList(heads), "heads.")  # DTensor heads: gather them first
+                hooked = next((sub for sub in m.modules() if _hooked(sub)), None)
+                check(fn, hooked is None, f"heads[{h}][{k}] has forward or backward hooks"
+                      f"{'' if hooked is m else ' on a module inside it'}, which the grouped model would not run")
+                why = _activation_differs(m, r)
+                check(fn, why is None, f"heads[{h}][{k}] is {m!r} but heads[0][{k}] is {r!r}{why or ''}")
     lins0 = [ref[k] for k in at]
     bias = [lin.bias is not None for lin in lins0]
     sizes = [lins0[0].in_features] + [lin.out_features for lin in lins0]
@@ -82,9 +92,16 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
     last = between.pop()  # after the last Linear: the output activation, if any
 
     def steps(ms: list) -> nn.Module:
-        return ms[0] if len(ms) == 1 and type(ms[0]) is not nn.Sequential else nn.Sequential(*ms)
+        if len(ms) == 1 and type(ms[0]) is not nn.Sequential:
+            return ms[0]
+        seq = nn.Sequential(*ms)
+        seq.training = heads[0].training  # a container the heads did not have: their mode
+        return seq
 
+    # The heads' training mode; the activations are copies and keep their own.
+    model.train(heads[0].training)
     model.activations = nn.ModuleList(steps(ms) for ms in between)
+    model.activations.training = heads[0].training
     model.output_activation = steps(last) if last else None
     with torch.no_grad():
         for k, layer in enumerate(model.layers):
@@ -92,7 +109,34 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
             layer.weight.copy_(torch.stack([lin.weight for lin in lins]).reshape(layer.weight.shape))
             if bias[k]:
                 layer.bias.copy_(torch.cat([lin.bias for lin in lins]))
+    for layer, lin in zip(model.layers, lins0):  # training flags, frozen parameters
+        _copy_state(lin, layer)
     return model
+
+
+def _mode(m: nn.Module) -> str:
+    return "training" if m.training else "eval"
+
+
+def _activation_differs(m: nn.Module, r: nn.Module) -> Optional[str]:
+    """Why activation ``m`` does not act as ``r`` (None where it does): one module serves every head.
+
+    Their reprs, then for each module inside, its training mode and public attributes (a
+    module of the caller's own may keep its settings there and not show them in its repr).
+    """
+    if repr(m) != repr(r):
+        return ""
+    for a, b in zip(m.modules(), r.modules()):
+        if a.training != b.training:
+            return f" (in {_mode(a)} mode, the other in {_mode(b)} mode)"
+        for name in sorted(set(vars(a)) | set(vars(b))):
+            if name.startswith("_") or name == "training":
+                continue
+            va, vb = getattr(a, name, None), getattr(b, name, None)
+            same = torch.equal(va, vb) if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) else va == vb
+            if not isinstance(same, bool) or not same:
+                return f" (their {name} differ: {va!r} and {vb!r})"
+    return None
 
 
 def to_heads(model) -> nn.ModuleList:
@@ -109,6 +153,7 @@ def to_heads(model) -> nn.ModuleList:
                 lin.weight.copy_(layer.weight.reshape(model.heads, o, i)[h])
                 if layer.bias is not None:
                     lin.bias.copy_(layer.bias[h * o:(h + 1) * o])
+            _copy_state(layer, lin)
             mods.append(lin)
             if k < len(model.activations):
                 act = copy.deepcopy(model.activations[k])
@@ -119,5 +164,7 @@ def to_heads(model) -> nn.ModuleList:
         if out_act is not None:
             out_act = copy.deepcopy(out_act)
             mods.extend(out_act if type(out_act) is nn.Sequential else (out_act,))
-        out.append(nn.Sequential(*mods))
+        head = nn.Sequential(*mods)
+        head.training = model.training
+        out.append(head)
     return out
