@@ -315,3 +315,58 @@ def test_tune_that_measured_nothing_writes_nothing(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "no point was measured, so nothing was written" in err, err
     assert not profile.exists()
+
+
+def test_an_output_path_in_a_symlink_loop_is_one_line(tmp_path, monkeypatch, capsys):
+    # pathlib's resolve() raised RuntimeError("Symlink loop"): a traceback, exit status 1.
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["bench", *TINY, "--json", str(tmp_path / "a")], "--json", "cannot be resolved", capsys=capsys)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_that_fails_when_written_is_one_line(capsys):
+    # /proc passes the checks before the run (as root, os.access says yes) and refuses the
+    # file when it is written: that OSError was a traceback after the whole run.
+    rc = main(["bench", *TINY, "--no-baselines", "--mode", "forward", "--json", "/proc/blockdiag-test.json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(
+        "blockdiag bench: error: --json: cannot write '/proc/blockdiag-test.json'"), err
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_two_options_naming_one_file_are_refused(tmp_path, monkeypatch, capsys, command):
+    # tune --profile same.png --plot same.png replaced the profile just written by the map;
+    # bench --json over the profile it reads replaced the profile by the results.
+    same = tmp_path / "same.png"
+    monkeypatch.setattr(f"blockdiag.tuning.{command}", lambda *a, **k: pytest.fail("the run started"))
+    if command == "tune":
+        pytest.importorskip("matplotlib")
+        args = ["tune", *TINY, "--profile", str(same), "--plot", str(tmp_path / "." / "same.png")]
+    else:
+        args = ["bench", *TINY, "--json", str(same)]
+        monkeypatch.setenv("BLOCKDIAG_PROFILE", str(same))
+    _refused(args, "name the same file", capsys=capsys)
+
+
+def test_the_decision_map_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    # savefig wrote into the file itself: a failure left a truncated image over the old one.
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from blockdiag.tuning import plot
+
+    target = tmp_path / "map.png"
+    target.write_bytes(b"OLD MAP")
+
+    def fails(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(Figure, "savefig", fails)
+    with pytest.raises(OSError, match="File too large"):
+        plot._save_atomic(Figure(), str(target))
+    assert target.read_bytes() == b"OLD MAP" and [p.name for p in tmp_path.iterdir()] == ["map.png"]

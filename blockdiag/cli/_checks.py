@@ -30,7 +30,10 @@ def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> No
         raise BlockDiagError(f"{option}: {path!r} is {_file_kind(os.stat(target).st_mode)}, not a regular file")
     if target.exists() and not os.access(target, os.W_OK):
         raise BlockDiagError(f"{option}: {path!r} exists and is not writable")
-    parent = target.resolve().parent
+    try:
+        parent = target.resolve().parent
+    except (RuntimeError, OSError) as e:  # a loop of symbolic links (RuntimeError before Python 3.13)
+        raise BlockDiagError(f"{option}: {path!r} cannot be resolved to a file: {e}") from None
     if makes_dirs:
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
@@ -39,6 +42,24 @@ def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> No
         raise BlockDiagError(f"{option}: the directory {parent} of {path!r} {what}")
     if not os.access(parent, os.W_OK):
         raise BlockDiagError(f"{option}: the directory {parent} of {path!r} is not writable")
+
+
+def _check_distinct(paths: dict) -> None:
+    """Refuse two options naming one file (``--profile`` and ``--plot``; ``--json`` and the
+    profile bench reads): the second write would replace the first, or the results the profile.
+
+    ``paths``: option -> path (None: not given).
+    """
+    from .._errors import BlockDiagError
+
+    seen: dict[str, str] = {}
+    for option, path in paths.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise BlockDiagError(f"{seen[real]} and {option} name the same file ({path!r}): one would replace the other")
+        seen[real] = option
 
 
 def _check_profile_input(path: str | None) -> None:

@@ -3,6 +3,7 @@ faults noted, and the provenance every results file records."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from . import _format as fmt
@@ -76,3 +77,16 @@ def _provenance() -> dict:
             commit = dirty = None
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"created": created, "commit": commit, "commit_dirty": dirty, "blockdiag": __version__}
+
+
+@contextlib.contextmanager
+def _writing(option: str, path: str):
+    """An output written after the measuring: an ``OSError`` (a full disk, a file-size limit,
+    ``/proc``) becomes the command's one-line error naming ``option``, not a traceback. The
+    writers leave the old file as it was (``write_json_atomic``, ``plot_decision_map``)."""
+    from .._errors import BlockDiagError
+
+    try:
+        yield
+    except OSError as e:
+        raise BlockDiagError(f"{option}: cannot write {path!r}: {e}; the results were printed above") from None

@@ -11,8 +11,15 @@ import torch
 
 from . import _format as fmt
 from ._args import _grid, _modes
-from ._checks import _check_backends, _check_compiler, _check_grid_memory, _check_output, _check_profile_input
-from ._run import _announce, _looping, _point_costs, _print_faults, _provenance, _runnable_names
+from ._checks import (
+    _check_backends,
+    _check_compiler,
+    _check_distinct,
+    _check_grid_memory,
+    _check_output,
+    _check_profile_input,
+)
+from ._run import _announce, _looping, _point_costs, _print_faults, _provenance, _runnable_names, _writing
 
 
 def _builtin_columns(r: dict) -> str:
@@ -122,7 +129,8 @@ def _bench_compiled(args, grid, modes) -> int:
                "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
                "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
                "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-        prof.write_json_atomic(args.json, out)
+        with _writing("--json", args.json):
+            prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0
 
@@ -135,6 +143,8 @@ def cmd_bench(args) -> int:
     _check_backends(args.backends, args.device, args.dtype)
     _check_output("--json", args.json)
     _check_profile_input(args.profile)
+    read = args.profile if args.profile is not None else str(prof.default_profile_path())
+    _check_distinct({"--profile" if args.profile is not None else "the profile read": read, "--json": args.json})
     if args.compiled:
         _check_compiler(args.compiler)
     grid = _grid(args, "targets")
@@ -210,6 +220,7 @@ def cmd_bench(args) -> int:
                "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
                "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-        prof.write_json_atomic(args.json, out)
+        with _writing("--json", args.json):
+            prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0

@@ -8,12 +8,13 @@ from . import _format as fmt
 from ._args import _grid, _modes
 from ._checks import (
     _check_backends,
+    _check_distinct,
     _check_grid_memory,
     _check_output,
     _check_plot_format,
     _check_profile_input,
 )
-from ._run import _announce, _looping, _point_costs, _runnable_names
+from ._run import _announce, _looping, _point_costs, _runnable_names, _writing
 
 
 def cmd_tune(args) -> int:
@@ -28,7 +29,9 @@ def cmd_tune(args) -> int:
     modes = _modes(args)
     _check_grid_memory(grid, modes, args.dtype, args.max_gflop)
     path = args.profile if args.profile is not None else prof.default_profile_path()
-    _check_output("--profile" if args.profile is not None else "the default profile", str(path), makes_dirs=True)
+    profile_option = "--profile" if args.profile is not None else "the default profile"
+    _check_output(profile_option, str(path), makes_dirs=True)
+    _check_distinct({profile_option: str(path), "--plot": args.plot})
     timed = args.backends or _runnable_names(args.device)
     n_backends = len(timed)
     points = _point_costs(grid, modes, args.max_gflop)
@@ -80,7 +83,8 @@ def cmd_tune(args) -> int:
               f"geomean {c['geomean']:.3f}, worst {c['worst']:.2f} at {c['worst_point']}, "
               f"{c['within_1.10']} of {c['points']} within 1.10")
     if args.plot:
-        print(f"decision map: {plot_decision_map(entry, args.plot)}")
+        with _writing("--plot", args.plot):
+            print(f"decision map: {plot_decision_map(entry, args.plot)}")
     return 0
 
 

@@ -136,6 +136,32 @@ def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] 
     key_labels[0] = "under 1.05x"
     fig.legend(key, key_labels, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=len(key), fontsize=8,
                frameon=False, title="shade: the winner's margin over the runner-up", title_fontsize=8, handlelength=1.5)
-    fig.savefig(path, dpi=_DPI)
+    _save_atomic(fig, path)
     plt.close(fig)
     return path
+
+
+def _save_atomic(fig, path: str) -> None:
+    """``fig.savefig(path)`` through a temp file beside ``path``, renamed over it when complete.
+
+    A failure (a full disk, a file-size limit, an interrupt) leaves the old file as it was,
+    not a truncated image. The format is ``path``'s extension, as ``savefig`` would take it.
+    """
+    import os
+    import tempfile
+
+    target = os.path.realpath(path)  # a symbolic link is written through, as savefig would
+    ext = os.path.splitext(target)[1]
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=ext or ".tmp",
+                               dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=_DPI, format=ext.lstrip(".").lower() or None)
+        try:
+            os.chmod(tmp, os.stat(target).st_mode & 0o777)
+        except FileNotFoundError:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
