@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -739,3 +740,35 @@ def test_the_compiled_entry_points_refuse_bad_arguments():
 def test_fuzz_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
     # The compiled kernels read raw pointers: the most examples, on the plain-tensor views.
     check_against_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed)
+
+
+def test_a_hung_compiler_is_stopped_with_everything_it_started(tmp_path, monkeypatch):
+    # A compiler that never finished held simd's first use for 300 s, then 300 s more (the
+    # retry without OpenMP), and the real compiler a wrapper had started kept running.
+    pids = tmp_path / "pids"
+    cc = tmp_path / "hung-cc"
+    cc.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for a in "$@"; do [ "$a" = --version ] && {{ echo hung-cc 1.0; exit 0; }}; done
+        sleep 1000 &
+        echo $! >> {pids}
+        wait
+        """))
+    cc.chmod(0o755)
+    monkeypatch.setattr(_libcache, "COMPILE_TIMEOUT_S", 1.0)
+    target = tmp_path / "out" / "simd-test.so"
+    target.parent.mkdir(mode=0o700)
+    t0 = time.monotonic()
+    why = simd._build((str(cc),), Path(simd.__file__).parent, target, simd.VARIANTS["avx512"])
+    assert why is not None and "did not finish in 1 s and was stopped" in why, why
+    assert time.monotonic() - t0 < 10  # once, not once more without OpenMP
+    (pid,) = map(int, pids.read_text().split())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the compiler's child {pid} still runs")
+    assert not target.exists() and list(target.parent.iterdir()) == []

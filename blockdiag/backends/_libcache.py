@@ -16,6 +16,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -202,11 +203,57 @@ def _staging(target: Path):
         Path(name).unlink(missing_ok=True)
 
 
-def _compile(cmd: list, what: str) -> Optional[str]:
-    """Run the compiler command ``cmd`` (``what`` it builds); why it failed, or None."""
+# How long a compile may take (a first build takes seconds) and how long ``--version`` may.
+COMPILE_TIMEOUT_S = 300
+VERSION_TIMEOUT_S = 60
+
+
+class CompilerHung(Exception):
+    """The compiler ran past its time and was stopped: trying it again would only wait again."""
+
+
+def run_compiler(cmd: list, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd``'s exit status and output; it and everything it started are killed after ``timeout`` s.
+
+    In a session of its own, so that the whole process group can be killed: ``subprocess``'s
+    timeout kills the direct child only, and a wrapper (``ccache``, a shell script) would leave
+    the real compiler running. Also killed when this process is interrupted.
+
+    Raises:
+        CompilerHung: the timeout passed.
+        OSError: ``cmd`` cannot be started.
+    """
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as e:
+        _kill_group(proc)
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise CompilerHung(f"{cmd[0]} did not finish in {timeout:g} s and was stopped") from None
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()  # not communicate(): a process that left the group may hold the pipes open
+    for pipe in (proc.stdout, proc.stderr):
+        pipe.close()
+
+
+def _compile(cmd: list, what: str) -> Optional[str]:
+    """Run the compiler command ``cmd`` (``what`` it builds); why it failed, or None.
+
+    Raises:
+        CompilerHung: it ran past :data:`COMPILE_TIMEOUT_S`.
+    """
+    try:
+        done = run_compiler(cmd, COMPILE_TIMEOUT_S)
+    except OSError as e:
         return f"compiling {what} with {cmd[0]} failed: {e}"
     if done.returncode == 0:
         return None

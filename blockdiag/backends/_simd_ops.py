@@ -37,14 +37,23 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import subprocess
 import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
-from ._libcache import _cached, _compile, _fetch, _install, _staging, compiler_command
+from ._libcache import (
+    VERSION_TIMEOUT_S,
+    CompilerHung,
+    _cached,
+    _compile,
+    _fetch,
+    _install,
+    _staging,
+    compiler_command,
+    run_compiler,
+)
 
 __all__ = ["NativeOps", "arm", "disarm", "note", "ops", "through_ctypes"]
 
@@ -142,7 +151,10 @@ def _command(cxx: tuple[str, ...], out: Path, source: Path) -> list:
 def _build(cxx: tuple[str, ...], source: Path, target: Path) -> Optional[str]:
     with _staging(target) as tmp:
         cmd = _command(cxx, tmp, source)
-        why = _compile(cmd, "simd's C++ ops")
+        try:
+            why = _compile(cmd, "simd's C++ ops")
+        except CompilerHung as e:
+            return f"compiling simd's C++ ops failed: {e}"
         return why if why is not None else _install(tmp, target, cmd)
 
 
@@ -194,8 +206,8 @@ def _loaded() -> tuple[Optional[NativeOps], Optional[str]]:
     if not (includes[0] / "torch" / "library.h").is_file():
         return None, f"the installed torch has no C++ headers ({includes[0]})"
     try:
-        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
+        version = run_compiler([*cxx, "--version"], VERSION_TIMEOUT_S).stdout
+    except (OSError, CompilerHung) as e:
         return None, f"cannot run the C++ compiler {' '.join(cxx)}: {e}"
     source = Path(__file__).resolve().parent / _SOURCE
     digest = hashlib.sha256()

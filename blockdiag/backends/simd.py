@@ -96,7 +96,6 @@ import functools
 import hashlib
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -107,7 +106,17 @@ from .._errors import BlockDiagError
 from ._registry import F32_F64, Backend, register
 from ..ops import OpEntry, define
 from . import _simd_ops
-from ._libcache import _cached, _compile, _fetch, _install, _staging, compiler_command
+from ._libcache import (
+    VERSION_TIMEOUT_S,
+    CompilerHung,
+    _cached,
+    _compile,
+    _fetch,
+    _install,
+    _staging,
+    compiler_command,
+    run_compiler,
+)
 from ._native import check_stored
 from .bmm import _fm_backward, bmm_fm_forward
 from .loop import _backward as _blas_backward
@@ -235,7 +244,10 @@ def _build(cc: tuple[str, ...], source_dir: Path, target: Path, flags: tuple = (
         for openmp in ((_OPENMP,), ()):
             # -x c: the sources are C whatever the driver (g++ would compile C++ and mangle the names).
             cmd = [*cc, *_FLAGS, *flags, *openmp, "-o", str(tmp), "-x", "c", str(source_dir / "_simd.c")]
-            why = _compile(cmd, "the kernels")
+            try:
+                why = _compile(cmd, "the kernels")
+            except CompilerHung as e:  # not retried without OpenMP: it would only wait again
+                return f"compiling the kernels failed: {e}"
             if why is None:
                 break
             if openmp:
@@ -305,8 +317,8 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
     if cc is None:
         return None, why
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
+        version = run_compiler([*cc, "--version"], VERSION_TIMEOUT_S).stdout
+    except (OSError, CompilerHung) as e:
         return None, f"cannot run the C compiler {' '.join(cc)}: {e}"
     source_dir = Path(__file__).resolve().parent
     digest = hashlib.sha256()
