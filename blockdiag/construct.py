@@ -339,6 +339,8 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
             f"matrix is a hybrid COO tensor ({matrix.sparse_dim()} sparse and {matrix.dense_dim()} dense "
             f"dimensions, shape {shape}); only plain 2-D matrices hold blocks",
         )
+    if matrix.is_meta:  # no indices to read: the blocks' shape, as for a dense meta matrix
+        return torch.empty(groups, r, c, dtype=matrix.dtype, device=matrix.device)
     coo = matrix.to_sparse_coo().coalesce() if matrix.layout != torch.sparse_coo else matrix.coalesce()
     rows, cols = coo.indices()
     return _blocks_from_coo(fn, rows, cols, coo.values(), shape, groups)
@@ -375,7 +377,8 @@ def to_scipy(matrix: torch.Tensor):
         a ``scipy.sparse`` array.
 
     Raises:
-        BlockDiagError: for tensors that are not 2-D or have an unsupported layout.
+        BlockDiagError: for tensors that are not 2-D, on the meta device, in bfloat16 or
+            float16, or of an unsupported layout.
     """
     import scipy.sparse as sp
 
@@ -394,25 +397,25 @@ def to_scipy(matrix: torch.Tensor):
         matrix.dtype != torch.float16,
         "matrix is float16, which scipy.sparse does not support; convert it first (matrix.float())",
     )
+    check(fn, not matrix.is_meta, "matrix is on the meta device, which holds no values to convert")
     m = matrix.detach().cpu()
     shape = tuple(m.shape)
+
+    def arr(t: torch.Tensor):
+        # numpy() refuses a view with the conjugate or negative bit set (matrix.conj()).
+        return t.resolve_conj().resolve_neg().numpy()
+
     if m.layout == torch.sparse_csr:
-        return sp.csr_array(
-            (m.values().numpy(), m.col_indices().numpy(), m.crow_indices().numpy()), shape=shape
-        )
+        return sp.csr_array((arr(m.values()), arr(m.col_indices()), arr(m.crow_indices())), shape=shape)
     if m.layout == torch.sparse_csc:
-        return sp.csc_array(
-            (m.values().numpy(), m.row_indices().numpy(), m.ccol_indices().numpy()), shape=shape
-        )
+        return sp.csc_array((arr(m.values()), arr(m.row_indices()), arr(m.ccol_indices())), shape=shape)
     if m.layout == torch.sparse_bsr:
-        return sp.bsr_array(
-            (m.values().numpy(), m.col_indices().numpy(), m.crow_indices().numpy()), shape=shape
-        )
+        return sp.bsr_array((arr(m.values()), arr(m.col_indices()), arr(m.crow_indices())), shape=shape)
     if m.layout == torch.sparse_coo:
         m = m.coalesce()
-        return sp.coo_array((m.values().numpy(), tuple(m.indices().numpy())), shape=shape)
+        return sp.coo_array((arr(m.values()), tuple(arr(m.indices()))), shape=shape)
     if m.layout == torch.strided:
-        return sp.csr_array(m.numpy())
+        return sp.csr_array(arr(m))
     raise BlockDiagError(f"{fn}: unsupported layout {m.layout}")
 
 

@@ -251,3 +251,20 @@ def test_to_blocks_of_a_meta_matrix_gives_meta_blocks():
 def test_to_scipy_names_bfloat16():
     with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is bfloat16, which numpy and scipy do not have"):
         blockdiag.to_scipy(torch.ones(2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["csr", "bsr", "coo"])
+def test_to_blocks_of_a_sparse_meta_matrix_gives_meta_blocks(layout):
+    # The sparse path read the indices (nonzero on meta): torch's NotImplementedError.
+    m = BUILDERS[layout][0](torch.empty(2, 3, 4, device="meta"))
+    blocks = to_blocks(m, 2)
+    assert blocks.is_meta and blocks.shape == (2, 3, 4)
+
+
+def test_to_scipy_refuses_meta_and_resolves_conjugate_and_negative_views():
+    with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is on the meta device"):
+        to_scipy(torch.empty(2, 2, device="meta"))
+    z = torch.tensor([[1 + 2j, 0], [0, 1j]])
+    np.testing.assert_array_equal(to_scipy(z.conj()).toarray(), z.conj().resolve_conj().numpy())
+    d = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    np.testing.assert_array_equal(to_scipy(torch._neg_view(d)).toarray(), -d.numpy())
