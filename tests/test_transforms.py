@@ -1425,6 +1425,81 @@ def test_torch_func_over_a_grouped_mlp_inside_torch_compile(strategy, how):
     _compiled_transform_matches_eager(GroupedMLP(G * I, [6, 5], O, heads=G, strategy=strategy), how)
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
+@pytest.mark.parametrize("name", ALL)
+def test_forward_ad_inside_a_compiled_function(name, compiler):
+    # The dual level entered inside the compiled function is entered in C, where Python's
+    # forward_ad._current_level does not see it: the ops skipped the Function carrying their
+    # jvp and the tangent came back None, for every backend ("eager": when the graph runs;
+    # "aot_eager": when AOTAutograd traces it).
+    require_backend(name)
+    fwad = torch.autograd.forward_ad
+    torch.manual_seed(0)
+    w, b = _params(torch.float32)
+    x, tx, tw = torch.randn(N, G * I), torch.randn(N, G * I), torch.randn_like(w)
+
+    def f(x, w, tx, tw):
+        with fwad.dual_level():
+            y = grouped_linear(fwad.make_dual(x, tx), fwad.make_dual(w, tw), b, backend=name)
+            return fwad.unpack_dual(y).tangent
+
+    got = torch.compile(f, fullgraph=True, backend=compiler)(x, w, tx, tw)
+    want = reference_loop(tx.double(), w.double(), None) + reference_loop(x.double(), tw.double(), None)
+    _close(got, want, torch.float32, k=I, what=f"tangent through compiled {name}")
+
+
+def test_compiled_auto_serves_new_group_counts_and_symbolic_shapes():
+    # A second group count makes the weight's sizes symbolic (automatic dynamic shapes): auto
+    # planned with them and failed ("unhashable type: non-nested SymInt", "groups must be an
+    # int >= 1, got 3").
+    f = torch.compile(lambda x, w, b: grouped_linear(x, w, b))
+    for g in (3, 4, 5):
+        w, b = _params(torch.float32, g=g)
+        x = torch.randn(N, g * I)
+        _close(f(x, w, b), reference_loop(x.double(), w.double(), b.double()), torch.float32, k=I)
+    w, b = _params(torch.float32)
+    x = torch.randn(N, G * I)
+
+    def per_sample(w, x):
+        return torch.func.vmap(torch.func.grad(lambda w, xi: grouped_linear(xi[None], w, b).square().sum()),
+                               (None, 0))(w, x)
+
+    torch.testing.assert_close(torch.compile(per_sample, dynamic=True)(w, x), per_sample(w, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["grad", "jvp"])
+def test_torch_func_over_chains_that_write_rows(how):
+    # Blocks of 16 float32 outputs make the chain's last product blockdiag::fm_rows in traced
+    # graphs, which had no path for a transform reaching it: an exported GroupedMLP under
+    # torch.func, and torch.func inside torch.compile, raised "must override setup_context".
+    torch.manual_seed(0)
+    m = GroupedMLP(16, 16, 16, heads=2, strategy="fm_chain")
+    x = torch.randn(4, 16)
+    program = torch.export.export(m, (x,)).module()
+    assert any("fm_rows" in str(n.target) for n in program.graph.nodes)
+    p = {k: v.detach() for k, v in m.named_parameters()}
+    run = {
+        "grad": lambda mod: torch.func.grad(lambda p: torch.func.functional_call(mod, p, (x,)).square().sum())(p),
+        "jvp": lambda mod: torch.func.jvp(mod, (x,), (torch.ones_like(x),))[1],
+    }[how]
+    want = run(m)
+    for got in (run(program), torch.compile(lambda: run(m), fullgraph=True)()):
+        for a, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("wd", [0, 1, 3])
+def test_fm_rows_vmap_over_any_weight_dimension(wd):
+    # The rule read the blocks' sizes before moving the vmapped dimension first.
+    from blockdiag.ops.fm_rows import fm_rows
+
+    torch.manual_seed(0)
+    h, b, w = torch.randn(G, I, N), torch.randn(G * O), torch.randn(2, G, O, I)
+    got = torch.func.vmap(fm_rows, (None, wd, None))(h, w.movedim(0, wd), b)
+    want = torch.stack([fm_rows(h, wk, b) for wk in w])
+    torch.testing.assert_close(got, want)
+
+
 # torch.func over the ops themselves: an exported program's graph calls them directly.
 _FUNC_ON_OPS = {
     "grad": lambda f, x: torch.func.grad(lambda x: f(x).square().sum())(x),

@@ -66,9 +66,11 @@ def _requires_grad(lin: nn.Module) -> dict:
 def _copy_state(src: nn.Module, dst: nn.Module) -> None:
     """``src``'s training flag and its parameters' ``requires_grad`` onto ``dst`` (a conversion's copy)."""
     dst.training = src.training
-    dst.weight.requires_grad_(src.weight.requires_grad)
-    if src.bias is not None:
-        dst.bias.requires_grad_(src.bias.requires_grad)
+    # Only where it differs: requires_grad_ is refused inside a torch.func transform, where
+    # a conversion may run (a reference model built from heads inside jvp).
+    for a, b in ((src.weight, dst.weight), (src.bias, dst.bias)):
+        if a is not None and a.requires_grad != b.requires_grad:
+            b.requires_grad_(a.requires_grad)
 
 
 def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:

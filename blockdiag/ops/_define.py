@@ -89,6 +89,19 @@ def plain_eager(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     )
 
 
+def forward_ad_active(*tensors) -> bool:
+    """Whether forward-mode AD may see a call on ``tensors``: a level entered from Python, or a tangent.
+
+    A graph compiled by ``torch.compile`` enters its dual level in C
+    (``torch._functorch.predispatch``), which ``forward_ad._current_level`` does not see, so
+    the operands are asked too. torch has no nested forward AD: a tangent is at level 0.
+    """
+    if _fwad._current_level >= 0:
+        return True
+    unpack = torch._C._VariableFunctions._unpack_dual
+    return any(t is not None and unpack(t, 0).tangent is not None for t in tensors)
+
+
 def _records(x, weight, bias) -> bool:
     return torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -555,7 +568,7 @@ def define(entry: OpEntry) -> OpEntry:
     def autograd_kernel(keyset, x, weight, bias):
         if torch._C._are_functorch_transforms_active():
             return transform_forward(entry)(x, weight, bias)
-        if _records(x, weight, bias) or _fwad._current_level >= 0:
+        if _records(x, weight, bias) or forward_ad_active(x, weight, bias):
             return entry._op_fn.apply(x, weight, bias, keyset)
         return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
 

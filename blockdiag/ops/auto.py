@@ -37,7 +37,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd import forward_ad as _fwad
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import settings as _settings
@@ -55,6 +54,7 @@ from ._define import (
     _setup,
     differentiable_backward_needed,
     fake_backward,
+    forward_ad_active,
     generic_backward,
     rows_pay,
     transform_forward,
@@ -208,7 +208,7 @@ _Functorch = _named(_Functorch, "auto_Func")
 def _autograd_kernel(keyset, x, weight, bias, train):
     if torch._C._are_functorch_transforms_active():
         return _transform_forward(x, weight, train)(x, weight, bias)
-    if _records(x, weight, bias) or _fwad._current_level >= 0:
+    if _records(x, weight, bias) or forward_ad_active(x, weight, bias):
         return _OpAutograd.apply(x, weight, bias, train, keyset)
     return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias, train)
 
@@ -235,14 +235,14 @@ def _inline(x, weight, bias, train, state=""):
     # (a SymInt that tracing specialised, e.g. to 0 or 1, arrives here as an int). A tensor
     # subclass (DTensor) keeps the op, whose sharding rules run the local kernels without
     # gathering and refuse what they cannot shard; the chooser would see global shapes here.
-    if isinstance(x.shape[0], torch.SymInt) or any(map(_is_subclass, (x, weight, bias))):
+    if _symbolic(x, weight) or any(map(_is_subclass, (x, weight, bias))):
         return FORWARD(x, weight, bias, train)
     if torch._C._are_functorch_transforms_active():
         # torch.compile tracing a torch.func transform: torch ops (see transform_forward).
         return _transform_forward(x, weight, train)(x, weight, bias)
     entry = _ENTRIES.get(choice(x, weight, train))
     if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
-            and route_token(entry.name, x.dtype) in state.split() and _fwad._current_level < 0:
+            and route_token(entry.name, x.dtype) in state.split() and not forward_ad_active(x, weight, bias):
         ops = entry.compiled_ops().get(x.dtype)
         if ops is not None and x.device.type == "cpu":
             return _NativeRoute.apply(x, weight, bias, ops)
@@ -262,12 +262,12 @@ def _inline(x, weight, bias, train, state=""):
 def _transform_forward(x, weight, train: bool):
     """:func:`~blockdiag.ops._define.transform_forward` of the plan's best-ranked backend in torch ops.
 
-    Where the batch is symbolic (the plan needs a number), or no candidate is in torch ops,
+    Where a size is symbolic (the plan needs numbers), or no candidate is in torch ops,
     :func:`~blockdiag.ops._define.torch_ops_product`.
     """
     from ..dispatch import choose
 
-    if not isinstance(x.shape[0], torch.SymInt):
+    if not _symbolic(x, weight):
         g, o, i = weight.shape
         plan = choose(Problem(int(x.shape[0]), g, i, o, x.dtype, x.device.type, bool(train)))
         for c in plan.candidates:
@@ -348,6 +348,15 @@ ROWS_OP_MIN_BATCH = 256
 def _rows_op_pays(x, weight) -> bool:
     """Whether a traced training graph records the op for a feature-major choice (see above)."""
     return x.shape[0] >= ROWS_OP_MIN_BATCH and rows_pay(weight.shape[1], x.dtype)
+
+
+def _symbolic(x, weight) -> bool:
+    """Whether the batch or a weight dimension is a symbol (a graph serving several sizes).
+
+    The plan needs numbers: ``torch.compile`` makes the weight's sizes symbolic too once it
+    has seen two (automatic dynamic shapes), and a symbolic size is no key of the plan cache.
+    """
+    return isinstance(x.shape[0], torch.SymInt) or any(isinstance(d, torch.SymInt) for d in weight.shape)
 
 
 def _is_subclass(t) -> bool:

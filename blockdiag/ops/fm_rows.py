@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._define import LIB, _jvp, _named, _records
+from ._define import LIB, _jvp, _named, _records, forward_ad_active
 
 __all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
@@ -87,8 +87,18 @@ class _Fn(torch.autograd.Function):
 _Fn = _named(_Fn, "fm_rows_Op")
 
 
+def _torch_ops(h, weight, bias):
+    """The product in differentiable torch ops: what a ``torch.func`` transform reaching the op
+    runs (see ``_define.transform_forward``); a transposed view, not written into rows."""
+    g, o, _ = weight.shape
+    yt = torch.bmm(weight, h) if bias is None else torch.baddbmm(bias.view(g, o, 1), weight, h)
+    return yt.permute(2, 0, 1).reshape(h.shape[2], g * o)
+
+
 def _autograd_kernel(keyset, h, weight, bias):
-    if _records(h, weight, bias) or torch.autograd.forward_ad._current_level >= 0:
+    if torch._C._are_functorch_transforms_active():
+        return _torch_ops(h, weight, bias)
+    if _records(h, weight, bias) or forward_ad_active(h, weight, bias):
         return _Fn.apply(h, weight, bias, keyset)
     return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
 
@@ -97,9 +107,9 @@ def _vmap(info, in_dims, h, weight, bias):
     # Each vmapped copy becomes more groups of one product: [B, G, ...] -> [B*G, ...].
     hd, wd, bd = in_dims
     nb = info.batch_size
-    g, o, i = weight.shape[-3:]
     hb = h.movedim(hd, 0) if hd is not None else h.expand(nb, *h.shape)
     wb = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+    g, o, i = wb.shape[1:]
     bb = None
     if bias is not None:
         bb = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape)).reshape(-1)
