@@ -85,7 +85,9 @@ def default_profile_path() -> Path:
     env = os.environ.get("BLOCKDIAG_PROFILE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG spec says to ignore it
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "blockdiag" / "profile.json"
 
 

@@ -370,3 +370,30 @@ def test_the_decision_map_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="File too large"):
         plot._save_atomic(Figure(), str(target))
     assert target.read_bytes() == b"OLD MAP" and [p.name for p in tmp_path.iterdir()] == ["map.png"]
+
+
+def test_bench_that_would_measure_nothing_is_refused(monkeypatch, capsys):
+    # bench --max-gflop 0 ran, timed nothing and exited 0 with an empty summary (tune refused).
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["bench", *TINY, "--max-gflop", "0"], "--max-gflop 0 skips every point", capsys=capsys)
+
+
+def test_a_repeated_value_is_measured_once():
+    from blockdiag.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--batch", "4,4,8", "--blocks", "2x2,2X2", "--backends", "loop,loop",
+                                      "--compiled", "linear,linear"])
+    assert (args.batch, args.blocks, args.backends, args.compiled) == ((4, 8), ((2, 2),), ["loop"], ("linear",))
+
+
+def test_a_relative_cache_home_is_ignored(monkeypatch, tmp_path):
+    # The XDG spec: a relative $XDG_CACHE_HOME is invalid and ignored (it put the kernel cache
+    # and the profile under whatever the current directory was).
+    from blockdiag import profile
+    from blockdiag.backends import _libcache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("BLOCKDIAG_PROFILE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert _libcache.kernel_dir() == tmp_path / ".cache" / "blockdiag" / "kernels"
+    assert profile.default_profile_path() == tmp_path / ".cache" / "blockdiag" / "profile.json"

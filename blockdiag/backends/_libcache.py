@@ -35,7 +35,9 @@ _MAGIC = b"bdsimd\x00\x02"
 
 def kernel_dir() -> Path:
     """Where compiled kernels are cached: ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG spec says to ignore it
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "blockdiag" / "kernels"
 
 

@@ -44,7 +44,7 @@ def _learning_rate(s: str) -> float:
 
 def _int_list(s: str) -> tuple[int, ...]:
     try:
-        out = tuple(int(v) for v in s.split(",") if v.strip())
+        out = tuple(dict.fromkeys(int(v) for v in s.split(",") if v.strip()))  # a repeat measured once
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
     if not out or any(v < 1 for v in out):
@@ -64,7 +64,7 @@ def _block(s: str) -> tuple[int, int]:
 
 
 def _blocks(s: str) -> tuple[tuple[int, int], ...]:
-    out = tuple(_block(v) for v in s.split(",") if v.strip())
+    out = tuple(dict.fromkeys(_block(v) for v in s.split(",") if v.strip()))
     if not out:
         raise argparse.ArgumentTypeError(f"expected blocks IN x OUT such as 10x10,150x10, got {s!r}")
     return out
@@ -137,7 +137,7 @@ def _finite_nonneg_float(s: str) -> float:
 
 
 def _backend_list(s: str) -> list[str]:
-    out = [v.strip() for v in s.split(",") if v.strip()]
+    out = list(dict.fromkeys(v.strip() for v in s.split(",") if v.strip()))
     if not out:
         raise argparse.ArgumentTypeError(f"must name at least one backend, got {s!r}")
     return out
@@ -153,7 +153,7 @@ def _path(s: str) -> str:
 def _compiled_models(s: str) -> tuple[str, ...]:
     from ..tuning import COMPILED_MODELS
 
-    out = tuple(v.strip() for v in s.split(",") if v.strip())
+    out = tuple(dict.fromkeys(v.strip() for v in s.split(",") if v.strip()))
     bad = [v for v in out if v not in COMPILED_MODELS]
     if not out or bad:
         raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(COMPILED_MODELS)}, got {s!r}")

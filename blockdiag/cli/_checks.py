@@ -131,8 +131,9 @@ def _check_demo_memory(args) -> None:
     limit = _memory_limit()
     if need > limit:
         raise BlockDiagError(
-            f"--heads {args.heads} with these sizes needs about {need / 2**30:.1f} GiB, more than half this "
-            f"machine's memory ({limit / 2**30:.1f} GiB)"
+            f"--heads {args.heads}, --in-features {args.in_features}, --hidden {','.join(map(str, args.hidden))}, "
+            f"--out-features {args.out_features} and --samples {args.samples} need about {need / 2**30:.1f} GiB, "
+            f"more than half this machine's memory ({limit / 2**30:.1f} GiB)"
         )
 
 

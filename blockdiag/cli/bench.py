@@ -137,6 +137,7 @@ def _bench_compiled(args, grid, modes) -> int:
 
 def cmd_bench(args) -> int:
     from .. import profile as prof
+    from .._errors import BlockDiagError
     from ..settings import config
     from ..tuning import allocator_env, bench, summarize
 
@@ -153,6 +154,8 @@ def cmd_bench(args) -> int:
     if args.mode is None:  # bench's own default: both, and the training step alone with --compiled
         args.mode = "train" if args.compiled else "both"
     modes = _modes(args)
+    if not _point_costs(grid, modes, args.max_gflop):  # as tune refuses it: a run that times nothing
+        raise BlockDiagError(f"--max-gflop {args.max_gflop:g} skips every point of the grid: nothing to measure")
     ctx = config(profile=args.profile) if args.profile else contextlib.nullcontext()
     if args.compiled:
         with ctx:

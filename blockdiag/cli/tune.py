@@ -72,7 +72,7 @@ def cmd_tune(args) -> int:
     print("winners: " + ", ".join(f"{n} {k}" for n, k in sorted(wins.items(), key=lambda kv: -kv[1])))
     r = entry.get("rematched")
     if r is not None:
-        print(f"rematched {r['points']} points where the winner was not {r['prior']}'s choice "
+        print(f"rematched {r['points']} points where the winner was not the earlier table's choice ({r['prior']}) "
               f"({r['rounds']} rounds each); {r['overturned']} overturned")
     s = entry["settings"]
     thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
