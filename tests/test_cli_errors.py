@@ -397,3 +397,13 @@ def test_a_relative_cache_home_is_ignored(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     assert _libcache.kernel_dir() == tmp_path / ".cache" / "blockdiag" / "kernels"
     assert profile.default_profile_path() == tmp_path / ".cache" / "blockdiag" / "profile.json"
+
+
+@pytest.mark.parametrize("content", ['{"notes": 1}\n', "# a README, not JSON\n", '{"format": "blockdiag-profile", "ver'])
+def test_tune_replaces_no_file_that_is_not_a_profile(tmp_path, monkeypatch, capsys, content):
+    # tune --profile notes.json replaced the user's file by a profile, silently.
+    target = tmp_path / "notes.json"
+    target.write_text(content)
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["tune", *TINY, "--profile", str(target)], "exists but is not a blockdiag profile", capsys=capsys)
+    assert target.read_text() == content

@@ -32,6 +32,11 @@ def cmd_tune(args) -> int:
     profile_option = "--profile" if args.profile is not None else "the default profile"
     _check_output(profile_option, str(path), makes_dirs=True)
     _check_distinct({profile_option: str(path), "--plot": args.plot})
+    _, unreadable = prof.read_profile(path)
+    if unreadable is not None:
+        # It may be something else than a damaged profile (--profile notes.json): not replaced.
+        raise BlockDiagError(f"{profile_option}: {path} exists but is not a blockdiag profile ({unreadable}); "
+                             "tune replaces no such file: remove it, or name another")
     timed = args.backends or _runnable_names(args.device)
     n_backends = len(timed)
     points = _point_costs(grid, modes, args.max_gflop)
