@@ -576,7 +576,6 @@ def test_from_heads_refuses_heads_it_would_run_differently(spoil, match):
     # one head's hook run for every head), one head's eval-mode Dropout or custom activation
     # setting applied to all heads, one head's frozen parameter trained.
     heads = _three_heads()
-    x = torch.randn(7, 5)
     spoil(heads)
     with pytest.raises(BlockDiagError, match=match):
         GroupedMLP.from_heads(heads)

@@ -125,6 +125,39 @@ def _steps(model, shape, device, methods):
     return steps
 
 
+def _ratios_per_combination(combos, make_steps, ratios) -> dict:
+    """``{combination: ratios(samples)}``, the steps of each timed in interleaved rounds.
+
+    ``make_steps(*combination)`` builds them (device second); one that raises
+    ``NotImplementedError`` is left out, another exception is kept as its message for
+    :func:`_cached` to raise in that combination's setup.
+    """
+    out = {}
+    for combo in combos:
+        try:
+            steps = make_steps(*combo)
+        except NotImplementedError:
+            continue
+        except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
+            first = str(e).splitlines()[0] if str(e) else ""
+            out[combo] = f"{type(e).__name__}: {first}"
+            continue
+        out[combo] = ratios(interleaved(steps, combo[1]))
+        del steps
+    torch._dynamo.reset()
+    return out
+
+
+def _cached(cache: dict, combo):
+    """The ratios ``setup_cache`` measured for ``combo``; its failure raised here."""
+    got = cache.get(combo)
+    if got is None:
+        raise NotImplementedError("not measured here")
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    return got
+
+
 @asv_sampling
 class CompiledStep:
     """One training step of each method: eager blockdiag, and the compiled models."""
@@ -156,35 +189,15 @@ class CompiledRatio:
     timeout = 1800
 
     def setup_cache(self):
-        out = {}
-        for model in MODELS:
-            for device in DEVICES:
-                for shape in SHAPES:
-                    try:
-                        steps = _steps(model, shape, device, METHODS)
-                    except NotImplementedError:
-                        continue
-                    except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
-                        first = str(e).splitlines()[0] if str(e) else ""
-                        out[(model, device, shape)] = f"{type(e).__name__}: {first}"
-                        continue
-                    samples = interleaved(steps, device)
-                    out[(model, device, shape)] = {
-                        "eager": ratio_of_minima(samples, "blockdiag_compiled", "blockdiag"),
-                        "peer": ratio_of_minima(samples, "blockdiag_compiled", PEERS),
-                    }
-                    del steps
-        torch._dynamo.reset()
-        return out
+        return _ratios_per_combination(
+            [(m, d, s) for m in MODELS for d in DEVICES for s in SHAPES],
+            lambda model, device, shape: _steps(model, shape, device, METHODS),
+            lambda samples: {"eager": ratio_of_minima(samples, "blockdiag_compiled", "blockdiag"),
+                             "peer": ratio_of_minima(samples, "blockdiag_compiled", PEERS)})
 
     def setup(self, cache, model, device, shape):
         require_device(device)
-        got = cache.get((model, device, shape))
-        if got is None:
-            raise NotImplementedError("not measured here")
-        if isinstance(got, str):
-            raise RuntimeError(got)
-        self.ratios = got
+        self.ratios = _cached(cache, (model, device, shape))
 
     def track_compiled_over_eager(self, *_):
         return self.ratios["eager"]
@@ -247,32 +260,14 @@ class CompiledTransformRatio:
     timeout = 900
 
     def setup_cache(self):
-        out = {}
-        for transform in TRANSFORMS:
-            for device in DEVICES:
-                for shape in TRANSFORM_SHAPES:
-                    try:
-                        steps = _transform_steps(transform, shape, device)
-                    except NotImplementedError:
-                        continue
-                    except Exception as e:  # noqa: BLE001 (reported by setup, per combination)
-                        first = str(e).splitlines()[0] if str(e) else ""
-                        out[(transform, device, shape)] = f"{type(e).__name__}: {first}"
-                        continue
-                    samples = interleaved(steps, device)
-                    out[(transform, device, shape)] = ratio_of_minima(samples, "compiled", "eager")
-                    del steps
-        torch._dynamo.reset()
-        return out
+        return _ratios_per_combination(
+            [(t, d, s) for t in TRANSFORMS for d in DEVICES for s in TRANSFORM_SHAPES],
+            lambda transform, device, shape: _transform_steps(transform, shape, device),
+            lambda samples: ratio_of_minima(samples, "compiled", "eager"))
 
     def setup(self, cache, transform, device, shape):
         require_device(device)
-        got = cache.get((transform, device, shape))
-        if got is None:
-            raise NotImplementedError("not measured here")
-        if isinstance(got, str):
-            raise RuntimeError(got)
-        self.ratio = got
+        self.ratio = _cached(cache, (transform, device, shape))
 
     def track_compiled_over_eager(self, *_):
         return self.ratio
