@@ -579,19 +579,6 @@ def define(entry: OpEntry) -> OpEntry:
     return entry
 
 
-def torch_ops_product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The grouped product in plain torch ops (one ``bmm``), every derivative and batching rule torch's.
-
-    >>> w = torch.randn(2, 3, 4); x = torch.randn(5, 8)
-    >>> torch_ops_product(x, w, None).shape
-    torch.Size([5, 6])
-    """
-    g, o, i = weight.shape
-    n = x.shape[0]
-    y = torch.bmm(x.reshape(n, g, i).transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)
-    return y if bias is None else y + bias
-
-
 def transform_forward(entry: Optional[OpEntry]) -> Forward:
     """The forward an op runs when it is reached under a ``torch.func`` transform.
 
@@ -602,10 +589,11 @@ def transform_forward(entry: Optional[OpEntry]) -> Forward:
     ``custom_function_call`` has no kernel below the transform's layer, a limit torch's own
     ``custom_op`` shares. So the op runs its product as torch ops, which every transform
     differentiates and batches itself, and a compiled transform is one graph: the backend's
-    forward where it is torch ops (``inlinable``), else :func:`torch_ops_product`. In eager
-    mode the layers call the Function themselves (``call_op``), and their kernels run.
+    forward where it is torch ops (``inlinable``), else ``bmm``'s (one batched matmul on
+    strided views). In eager mode the layers call the Function themselves (``call_op``), and
+    their kernels run.
     """
-    return entry.forward if entry is not None and entry.inlinable else torch_ops_product
+    return entry.forward if entry is not None and entry.inlinable else _ENTRIES["bmm"].forward
 
 
 def entries() -> dict[str, OpEntry]:

@@ -263,7 +263,7 @@ def _transform_forward(x, weight, train: bool):
     """:func:`~blockdiag.ops._define.transform_forward` of the plan's best-ranked backend in torch ops.
 
     Where a size is symbolic (the plan needs numbers), or no candidate is in torch ops,
-    :func:`~blockdiag.ops._define.torch_ops_product`.
+    ``bmm``'s forward.
     """
     from ..dispatch import choose
 
