@@ -407,3 +407,12 @@ def test_tune_replaces_no_file_that_is_not_a_profile(tmp_path, monkeypatch, caps
     monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
     _refused(["tune", *TINY, "--profile", str(target)], "exists but is not a blockdiag profile", capsys=capsys)
     assert target.read_text() == content
+
+
+@pytest.mark.parametrize("cmd", ["demo", "tune", "explain", "bench"])
+def test_an_unknown_option_is_named_by_its_command(cmd, capsys):
+    # argparse's top-level parser would say "blockdiag: error" and point at the top-level help,
+    # which does not list the command's options.
+    required = ["--batch", "2", "--groups", "2", "--block", "2x2"] if cmd == "explain" else []
+    _refused([cmd, *required, "--no-such-option", "7"], f"blockdiag {cmd}: error: unrecognized arguments: --no-such-option 7",
+             f"see blockdiag {cmd} --help", capsys=capsys)

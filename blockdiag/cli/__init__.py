@@ -210,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-parser of ``command`` in ``parser``."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``blockdiag`` console script.
 
@@ -220,7 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from .._errors import BlockDiagError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The top-level parser would name itself; the command's parser names the command,
+        # whose --help lists the options the user meant.
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         with _quiet_torch_betas(), _one_line_warnings(args.command):
             return args.func(args)
