@@ -457,6 +457,18 @@ def test_a_compiler_variable_with_arguments_is_a_command(monkeypatch, tmp_path):
         simd._check.cache_clear()
 
 
+@pytest.mark.parametrize("kind", ["folder", "not executable", "missing"])
+def test_a_compiler_path_that_cannot_run_says_why(monkeypatch, tmp_path, kind):
+    # A path is not looked up on PATH: "not on PATH" would send the user to the wrong fix.
+    target = {"folder": tmp_path, "not executable": tmp_path / "cc", "missing": tmp_path / "nope" / "cc"}[kind]
+    if kind == "not executable":
+        target.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("BLOCKDIAG_TEST_CC", str(target))
+    want = {"folder": "is a folder", "not executable": "is not executable", "missing": "does not exist"}[kind]
+    assert _libcache.compiler_command("C", "BLOCKDIAG_TEST_CC", "cc") == (
+        None, f"no C compiler: {target} {want} (set $BLOCKDIAG_TEST_CC)")
+
+
 # --- item 10: no planted library is ever loaded ---------------------------------------------
 
 @needs_cc

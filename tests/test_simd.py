@@ -202,7 +202,7 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_library
 @pytest.mark.parametrize(
     "setup,reason",
     [
-        ("no compiler", r"no C compiler: /nonexistent/cc is not on PATH \(set \$CC\)"),
+        ("no compiler", r"no C compiler: /nonexistent/cc does not exist \(set \$CC\)"),
         ("compiler fails", r"compiling the kernels with .*false failed \(exit 1\)"),
         ("no AVX2", r"this CPU has neither AVX-512F nor AVX2 with FMA"),
         ("forced avx512", r"BLOCKDIAG_SIMD_ISA=avx512 asks for the avx512 kernels, which this CPU cannot run "

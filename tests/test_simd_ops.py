@@ -264,6 +264,15 @@ def test_without_a_cpp_compiler_simd_runs_through_ctypes_and_says_why(tmp_path):
     assert "called through ctypes: compiling simd's C++ ops with" in out and "failed (exit 1)" in out
 
 
+def test_before_first_use_the_explain_line_says_a_missing_cpp_compiler(tmp_path):
+    # Nothing has armed the ops yet: the line must not promise C++ ops that cannot be built.
+    code = "from blockdiag.backends import simd; print(simd.variant_note())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-c++")}
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess", env=env)
+    assert rc == 0, err
+    assert f"called through ctypes: no C++ compiler: {tmp_path / 'no-such-c++'} does not exist (set $CXX)" in out, out
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None, reason="no C++ compiler: nothing is built")
 def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
     # The ops' library is fetched as simd's C library is (one _fetch): a truncated file in the

@@ -154,6 +154,10 @@ def compiler_command(kind: str, var: str, default: str) -> tuple[Optional[tuple[
         return None, f"no {kind} compiler: ${var} is {value!r}, which names no command"
     path = shutil.which(words[0])
     if path is None:
+        if os.sep in words[0]:  # a path is not looked up on PATH: say what is wrong with it
+            what = ("is a folder" if os.path.isdir(words[0]) else
+                    "is not executable" if os.path.exists(words[0]) else "does not exist")
+            return None, f"no {kind} compiler: {words[0]} {what} (set ${var})"
         return None, f"no {kind} compiler: {words[0]} is not on PATH (set ${var})"
     return (path, *words[1:]), None
 

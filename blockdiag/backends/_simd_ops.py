@@ -294,6 +294,9 @@ def note() -> str:
     if armed:
         return f"called through C++ ops ({', '.join(sorted(armed))})"
     why = next(iter(_WHY.values()), None)
+    if why is None and not _loaded.cache_info().currsize:
+        # Nothing armed yet: say now what the first use will find, where it is cheap to know.
+        why = compiler_command("C++", "CXX", "c++")[1]
     if why is not None:
         return f"called through ctypes: {why}"
     return "called through C++ ops once a dtype's kernels pass their self-check"
