@@ -1,0 +1,83 @@
+"""Deployment: an exported program and an AOTInductor package run in a fresh process.
+
+A deployed model is loaded where it was not built: the ops must be found by name (importing
+blockdiag registers them), ``auto`` must plan in the new process, and a dynamic batch must
+serve sizes the export never saw. Each load runs in a subprocess, with a timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from _params import run_or_fail_on_hang
+
+import blockdiag
+
+G, I, H, O = 3, 8, 4, 2  # groups, block_in, hidden, block_out
+BATCHES = (5, 37)  # the export's example batch, and one it never saw
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "linear":
+        return blockdiag.GroupedLinear(G * I, G * O, groups=G)
+    return blockdiag.GroupedMLP(I, [H], O, heads=G)  # the forum's shape: every head reads all of x
+
+
+def _loop(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The float64 loop over the model's heads (to_heads), the reference every load is held to."""
+    heads = model.to_heads() if isinstance(model, blockdiag.GroupedMLP) else model.to_linears()
+    x = x.double()
+    if isinstance(model, blockdiag.GroupedMLP):
+        return torch.cat([h.double()(x) for h in heads], -1)
+    xs = x.split(I, -1)
+    return torch.cat([h.double()(xi) for h, xi in zip(heads, xs)], -1)
+
+
+def _width(kind: str) -> int:
+    return G * I if kind == "linear" else I
+
+
+def _saved(model, tmp_path, kind: str, aoti: bool) -> tuple:
+    x = torch.randn(BATCHES[0], _width(kind))
+    batch = torch.export.Dim("batch", min=2, max=1024)
+    ep = torch.export.export(model.eval(), (x,), dynamic_shapes=({0: batch},))
+    path = tmp_path / f"{kind}.pt2"
+    if aoti:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    else:
+        torch.export.save(ep, path)
+    inputs = [torch.randn(b, _width(kind)) for b in BATCHES]
+    torch.save({"inputs": inputs, "want": [_loop(model, xi) for xi in inputs]}, tmp_path / "io.pt")
+    return path, tmp_path / "io.pt"
+
+
+LOAD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import blockdiag  # registers the ops the program calls by name
+    path, io, aoti = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    run = torch._inductor.aoti_load_package(path) if aoti else torch.export.load(path).module()
+    data = torch.load(io)
+    with torch.no_grad():
+        for x, want in zip(data["inputs"], data["want"]):
+            got = run(x)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            print("ok", tuple(x.shape))
+    """
+)
+
+
+@pytest.mark.parametrize("aoti", [False, True], ids=["export", "aoti"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_deployed_model_runs_in_a_fresh_process(kind, aoti, tmp_path):
+    path, io = _saved(_model(kind), tmp_path, kind, aoti)
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", LOAD, str(path), str(io), str(int(aoti))], 300,
+                                       f"loading the {kind} {'package' if aoti else 'program'}")
+    assert rc == 0, err[-3000:]
+    w = _width(kind)
+    assert out.split() == ["ok", f"({BATCHES[0]},", f"{w})", "ok", f"({BATCHES[1]},", f"{w})"], out
