@@ -8,7 +8,10 @@ read is recomputed from it through the mask, so its off-diagonal entries are exa
 ``original`` is also zeroed off the diagonal when the mask is installed.
 
 Checkpoints: ``state_dict()`` stores the masked weight under the plain key ``weight``, so the
-checkpoint loads into an unmasked ``nn.Linear`` too. ``load_state_dict`` of a checkpoint
+checkpoint loads into an unmasked ``nn.Linear`` too. That holds while the mask is the only
+parametrization of ``weight``; with others stacked on it (``spectral_norm``, a user's), the
+state dict keeps torch's own keys (``parametrizations.weight.original`` and theirs), since the
+masked ``original`` alone is not the weight the module computes. ``load_state_dict`` of a checkpoint
 whose ``weight`` has non-zeros outside the blocks is **refused** with
 :class:`BlockDiagError` naming the first offending entry (masking it silently would hide a
 checkpoint that does not belong to this model).
@@ -21,6 +24,8 @@ parametrization would let it initialise a temporary copy of ``weight`` and keep 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -45,8 +50,15 @@ class BlockDiagonalMask(nn.Module):
 
     def __init__(self, groups: int, block_shape: tuple[int, int]):
         super().__init__()
+        fn = "BlockDiagonalMask"
+        check(fn, isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
+              f"groups must be an int >= 1, got {groups!r}")
+        shape = tuple(block_shape) if isinstance(block_shape, (tuple, list, torch.Size)) else None
+        check(fn, shape is not None and len(shape) == 2
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape),
+              f"block_shape must be two ints >= 1 (rows, columns), got {block_shape!r}")
         self.groups = groups
-        self.block_shape = tuple(block_shape)
+        self.block_shape = shape
         # The mask is a pure function of (groups, block_shape, device), so it is derived on
         # demand and cached per device, never stored as a buffer: a buffer is state that
         # module-wide operations rewrite without knowing what it means. ``to_empty()`` (the
@@ -61,8 +73,19 @@ class BlockDiagonalMask(nn.Module):
         # ``original`` itself, so in-place initialisers write into the parameter.
         self._passthrough = False
 
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The ``[G*out, G*in]`` shape of the weight this mask applies to."""
+        r, c = self.block_shape
+        return self.groups * r, self.groups * c
+
     def mask_on(self, device: torch.device | str) -> torch.Tensor:
-        """The bool ``[G*out, G*in]`` mask (True inside the blocks) on ``device``."""
+        """The bool ``[G*out, G*in]`` mask (True inside the blocks) on ``device``: a new tensor,
+        which the caller may change without touching the mask in use."""
+        return self._mask_on(device).clone()
+
+    def _mask_on(self, device: torch.device | str) -> torch.Tensor:
+        """The cached mask itself (never handed out: writing into it would unmask the weight)."""
         device = torch.device(device)
         m = self._masks.get(device)
         if m is None:
@@ -78,17 +101,26 @@ class BlockDiagonalMask(nn.Module):
         """The mask on the CPU (see :meth:`mask_on` for another device)."""
         return self.mask_on("cpu")
 
+    def _check(self, w: torch.Tensor) -> None:
+        if tuple(w.shape) != self.weight_shape:
+            raise BlockDiagError(
+                f"BlockDiagonalMask: weight of shape {tuple(w.shape)} does not fit {self.groups} blocks of shape "
+                f"{self.block_shape}, which make a weight of shape {self.weight_shape}"
+            )
+
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self._passthrough:
             return w
+        self._check(w)
         # Selecting, not multiplying: NaN * 0 and inf * 0 are NaN, so one non-finite gradient
         # entry would turn `original`'s off-diagonal entries NaN for good. ``where``'s
         # backward passes exact zeros there instead.
-        return torch.where(self.mask_on(w.device), w, 0)
+        return torch.where(self._mask_on(w.device), w, 0)
 
     def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
         # Assigning linear.weight = W stores W masked, so `original` never holds stray values.
-        return torch.where(self.mask_on(w.device), w, 0)
+        self._check(w)
+        return torch.where(self._mask_on(w.device), w, 0)
 
     def extra_repr(self) -> str:
         return f"groups={self.groups}, block_shape={self.block_shape}"
@@ -116,48 +148,84 @@ def _cacheable(m: torch.Tensor) -> bool:
     return not (wrapped is not None and wrapped(m))
 
 
+def _mask_of(module: nn.Module) -> BlockDiagonalMask | None:
+    """The module's block-diagonal mask, the first parametrization of ``weight``, or None."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return None
+    first = module.parametrizations.weight[0]
+    return first if isinstance(first, BlockDiagonalMask) else None
+
+
+def _only_mask(module: nn.Module) -> bool:
+    """Whether the mask is the only parametrization of ``weight`` (checkpoints use plain keys)."""
+    return _mask_of(module) is not None and len(module.parametrizations.weight) == 1
+
+
+@contextlib.contextmanager
+def _weight_is_original(module: nn.Module):
+    """Within it ``module.weight`` is ``original`` itself: the mask passes it through and the
+    parametrizations stacked on the mask are set aside, so an in-place initialiser of
+    ``weight`` writes into the parameter."""
+    plist = module.parametrizations.weight
+    mask_mod, stacked = plist[0], plist._modules
+    plist._modules = type(stacked)([("0", mask_mod)])
+    mask_mod._passthrough = True
+    try:
+        yield
+    finally:
+        mask_mod._passthrough = False
+        plist._modules = stacked
+
+
 def _reset_parameters(self) -> None:
     """``reset_parameters`` of a masked module: initialise ``original``, then mask it.
 
     The module's own ``reset_parameters`` (``nn.Linear``'s: ``kaiming_uniform_(self.weight)``)
     would initialise the tensor a parametrized ``weight`` computes, a temporary, and keep
-    nothing: after ``to_empty()`` the diagonal blocks would hold uninitialised memory.
+    nothing: after ``to_empty()`` the diagonal blocks would hold uninitialised memory. The
+    parametrizations stacked on the mask are set aside meanwhile: ``original`` gets the
+    module's own initialisation, which they then transform as they do any value.
     """
     base = super(type(self), self).reset_parameters
-    plist = self.parametrizations.weight if parametrize.is_parametrized(self, "weight") else ()
-    if len(plist) != 1 or not isinstance(plist[0], BlockDiagonalMask):
-        return base()  # not (only) our mask: nothing to route
-    mask_mod = plist[0]
-    mask_mod._passthrough = True
-    try:
+    mask_mod = _mask_of(self)
+    if mask_mod is None:
+        return base()
+    with _weight_is_original(self):
         base()
-    finally:
-        mask_mod._passthrough = False
     with torch.no_grad():
-        orig = plist.original
-        orig.masked_fill_(~mask_mod.mask_on(orig.device), 0)
+        orig = self.parametrizations.weight.original
+        orig.masked_fill_(~mask_mod._mask_on(orig.device), 0)
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     key = prefix + _ORIG
-    if key in state_dict:
+    if key in state_dict and _only_mask(module):
         orig = state_dict.pop(key)
         # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
-        mask = module.parametrizations.weight[0].mask_on(orig.device)
-        state_dict[prefix + "weight"] = torch.where(mask, orig, 0)
+        # Detached: with keep_vars=True too, a value (a leaf), as a parameter would be.
+        mask = module.parametrizations.weight[0]._mask_on(orig.device)
+        state_dict[prefix + "weight"] = torch.where(mask, orig.detach(), 0)
     return state_dict
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    module._blockdiag_load_prefix = prefix  # for _load_post_hook, which is given none
     key = prefix + "weight"
-    if key not in state_dict:
+    if key not in state_dict or not _only_mask(module):
         return
     w = state_dict[key]
     mask_mod = module.parametrizations.weight[0]
     r, c = mask_mod.block_shape
-    shape = (mask_mod.groups * r, mask_mod.groups * c)
-    if isinstance(w, torch.Tensor) and tuple(w.shape) == shape and w.device.type != "meta":
-        off = (w != 0) & ~mask_mod.mask_on(w.device)
+    shape = mask_mod.weight_shape
+    if isinstance(w, torch.Tensor) and tuple(w.shape) != shape:
+        # Reported here under the key the checkpoint has (torch would name the internal one).
+        errors.append(f"size mismatch for {key}: copying a param with shape {w.shape} from checkpoint, "
+                      f"the shape in current model is {torch.Size(shape)}.")
+        state_dict.pop(key)
+        module._blockdiag_reported = True
+        return
+    if isinstance(w, torch.Tensor) and w.device.type != "meta":
+        off = (w != 0) & ~mask_mod._mask_on(w.device)
         if bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])
             raise BlockDiagError(
@@ -167,6 +235,19 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
                 "blockdiag.block_diag_mask(...)) if that is intended"
             )
     state_dict[prefix + _ORIG] = state_dict.pop(key)
+
+
+def _load_post_hook(module, incompatible):
+    """Name ``weight`` in the missing keys as ``state_dict()`` does, not the internal key."""
+    prefix = module.__dict__.pop("_blockdiag_load_prefix", None)
+    reported = module.__dict__.pop("_blockdiag_reported", False)
+    if prefix is None or not _only_mask(module):
+        return
+    internal = prefix + _ORIG
+    if internal in incompatible.missing_keys:
+        incompatible.missing_keys.remove(internal)
+        if not reported:  # a size mismatch is already an error of its own
+            incompatible.missing_keys.append(prefix + "weight")
 
 
 def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
@@ -193,8 +274,14 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
     fn = "mask_block_diagonal_"
     w = getattr(linear, "weight", None)
     check(fn, isinstance(w, torch.Tensor), f"linear has no weight tensor (got {type(linear).__name__})")
+    check(fn, not isinstance(w, nn.parameter.UninitializedParameter),
+          f"linear.weight is not initialised yet ({type(linear).__name__} is lazy): run one forward first")
     check(fn, w.dim() == 2, f"linear.weight must be 2-D, got shape {tuple(w.shape)}")
-    check(fn, not parametrize.is_parametrized(linear, "weight"), "linear.weight is already parametrized (masked?)")
+    if parametrize.is_parametrized(linear, "weight"):
+        present = [type(p).__name__ for p in linear.parametrizations.weight]
+        check(fn, _mask_of(linear) is None, "linear is already masked")
+        check(fn, False, f"linear.weight is already parametrized ({', '.join(present)}): mask it first, then "
+                         "register the others on top of the mask")
     out_f, in_f = w.shape
     check_groups(fn, groups, in_f, out_f)
     mask = BlockDiagonalMask(groups, (out_f // groups, in_f // groups))
@@ -206,14 +293,30 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
     linear._blockdiag_hooks = (
         linear._register_state_dict_hook(_state_dict_hook),
         linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True),
+        linear.register_load_state_dict_post_hook(_load_post_hook),
     )
     return linear
 
 
-def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
-    """Undo :func:`mask_block_diagonal_`: ``weight`` becomes a plain parameter again.
+def _own_class(module: nn.Module) -> None:
+    """Give ``module`` a parametrized class of its own before a removal edits it.
 
-    The current (block-diagonal) values are kept; from now on they may drift.
+    ``copy.deepcopy`` (and ``AveragedModel``) give the copy the original's class, and torch's
+    ``remove_parametrizations`` deletes the ``weight`` property from the class: removing the
+    mask from one copy would take ``weight`` away from the other.
+    """
+    cls = type(module)
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(cls.__name__, cls.__bases__, body)
+
+
+def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
+    """Undo :func:`mask_block_diagonal_`: ``weight`` is no longer masked.
+
+    The current (block-diagonal) values are kept; from now on they may drift. Only the mask
+    goes: with no other parametrization, ``weight`` becomes a plain parameter again; those
+    stacked on the mask stay, applied to the (masked) ``original``, so ``weight`` is unchanged.
+    Copies of the module (``copy.deepcopy``) keep their masks.
 
     >>> lin = remove_block_diagonal_mask_(mask_block_diagonal_(nn.Linear(4, 4), 2))
     >>> type(lin.weight).__name__
@@ -229,11 +332,19 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
         BlockDiagError: if ``linear`` is not masked.
     """
     hooks = getattr(linear, "_blockdiag_hooks", None)
-    if hooks is None or not parametrize.is_parametrized(linear, "weight"):
+    mask_mod = _mask_of(linear)
+    if hooks is None or mask_mod is None:
         raise BlockDiagError(
             f"remove_block_diagonal_mask_: {type(linear).__name__} has no block-diagonal mask"
         )
-    parametrize.remove_parametrizations(linear, "weight", leave_parametrized=True)
+    _own_class(linear)
+    plist = linear.parametrizations.weight
+    if len(plist) == 1:
+        parametrize.remove_parametrizations(linear, "weight", leave_parametrized=True)
+    else:
+        with torch.no_grad():  # weight = rest(mask(original)) = rest(original) once original is masked
+            plist.original.masked_fill_(~mask_mod._mask_on(plist.original.device), 0)
+        del plist[0]
     if type(linear).__dict__.get("reset_parameters") is _reset_parameters:
         del type(linear).reset_parameters  # another parametrization keeps the class
     for h in hooks:

@@ -107,9 +107,12 @@ def test_remove_restores_plain_parameter():
         (nn.Linear(6, 4), 4, r"groups=4 must divide"),
         (nn.Conv1d(2, 2, 1), 1, r"weight must be 2-D, got shape \(2, 2, 1\)"),
         (nn.ReLU(), 1, r"has no weight tensor"),
-        (mask_block_diagonal_(nn.Linear(4, 4), 2), 2, r"already parametrized"),
+        (mask_block_diagonal_(nn.Linear(4, 4), 2), 2, r"already masked"),
+        (nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), 2,
+         r"already parametrized \(_SpectralNorm\): mask it first"),
+        (nn.LazyLinear(4), 2, r"not initialised yet \(LazyLinear is lazy\)"),
     ],
-    ids=["not-dividing", "3d-weight", "no-weight", "twice"],
+    ids=["not-dividing", "3d-weight", "no-weight", "twice", "other-parametrization", "lazy"],
 )
 def test_bad_input(module, groups, match):
     with pytest.raises(BlockDiagError, match=match):
@@ -283,3 +286,126 @@ def test_reset_parameters_of_a_copy_and_after_removal():
     remove_block_diagonal_mask_(twin)
     twin.reset_parameters()  # a plain nn.Linear again: dense initialisation
     assert bool((twin.weight[OFF] != 0.0).all())
+
+
+# --- copies, stacked parametrizations, checkpoints' key names ---------------------------------
+
+
+class _Scale2(nn.Module):
+    """A second parametrization stacked on the mask (a user's reparametrization)."""
+
+    def forward(self, w):
+        return 2 * w
+
+
+def _stacked(seed):
+    lin = _reference(seed)
+    nn.utils.parametrize.register_parametrization(lin, "weight", _Scale2())
+    return lin
+
+
+@pytest.mark.parametrize("which", ["copy", "original", "averaged"])
+def test_removing_the_mask_from_one_copy_leaves_the_other_masked(which):
+    import copy
+
+    lin = _reference(0)
+    twin = torch.optim.swa_utils.AveragedModel(lin).module if which == "averaged" else copy.deepcopy(lin)
+    assert type(twin) is type(lin)  # torch shares the parametrized class between copies
+    removed, kept = (lin, twin) if which == "original" else (twin, lin)
+    remove_block_diagonal_mask_(removed)
+    x = torch.randn(3, G * C)
+    assert kept(x).shape == (3, G * R) and removed(x).shape == (3, G * R)
+    assert nn.utils.parametrize.is_parametrized(kept, "weight")
+    kept.parametrizations.weight.original.data.fill_(1.0)
+    assert bool((kept.weight[OFF] == 0.0).all())
+    assert type(removed.weight) is nn.Parameter
+
+
+def test_with_a_parametrization_stacked_on_the_mask_the_checkpoint_keeps_torchs_keys():
+    lin, other = _stacked(0), _stacked(1)
+    sd = lin.state_dict()
+    # The masked original alone is not the weight the module computes (2x here): a plain
+    # "weight" key would load into nn.Linear as another model.
+    assert set(sd) == {"bias", "parametrizations.weight.original"}
+    other.load_state_dict(sd)
+    x = torch.randn(3, G * C)
+    torch.testing.assert_close(other(x), lin(x), rtol=0, atol=0)
+
+
+def test_removing_the_mask_keeps_the_parametrizations_stacked_on_it():
+    lin = _stacked(0)
+    before = lin.weight.detach().clone()
+    remove_block_diagonal_mask_(lin)
+    assert [type(p).__name__ for p in lin.parametrizations.weight] == ["_Scale2"]
+    torch.testing.assert_close(lin.weight, before, rtol=0, atol=0)
+    lin.parametrizations.weight.original.data.fill_(1.0)  # no longer masked: it may drift
+    assert bool((lin.weight[OFF] == 2.0).all())
+
+
+def test_reset_parameters_initialises_original_under_a_stacked_parametrization():
+    with torch.device("meta"):
+        lin = mask_block_diagonal_(nn.Linear(G * C, G * R), G)
+    nn.utils.parametrizations.spectral_norm(lin)
+    lin.to_empty(device="cpu")
+    lin.parametrizations.weight.original.data.fill_(float("nan"))
+    lin.reset_parameters()
+    orig = lin.parametrizations.weight.original
+    bound = 1 / (G * C) ** 0.5  # nn.Linear's kaiming_uniform_(a=sqrt(5)) over fan_in = G * C
+    assert bool(orig.isfinite().all()) and float(orig.abs().max()) <= bound
+    assert bool((orig[OFF] == 0.0).all()) and bool((orig[~OFF] != 0.0).all())
+    assert [type(p).__name__ for p in lin.parametrizations.weight] == ["BlockDiagonalMask", "_SpectralNorm"]
+
+
+def test_load_state_dict_names_weight_not_the_internal_key():
+    lin = _reference(0)
+    r = lin.load_state_dict({"bias": torch.zeros(G * R)}, strict=False)
+    assert r.missing_keys == ["weight"] and r.unexpected_keys == []
+    with pytest.raises(RuntimeError) as e:
+        lin.load_state_dict({"weight": torch.zeros(G * R, G * R), "bias": torch.zeros(G * R)})
+    msg = str(e.value)
+    assert "size mismatch for weight: copying a param with shape torch.Size([8, 8])" in msg, msg
+    assert "parametrizations" not in msg, msg
+    outer = nn.Sequential(nn.Identity(), _reference(0))
+    r = outer.load_state_dict({"1.bias": torch.zeros(G * R)}, strict=False)
+    assert r.missing_keys == ["1.weight"]
+
+
+def test_state_dict_keep_vars_gives_a_leaf():
+    import copy
+
+    sd = _reference(0).state_dict(keep_vars=True)
+    assert sd["weight"].grad_fn is None
+    copy.deepcopy(sd)  # refuses non-leaf tensors
+
+
+def test_the_mask_handed_out_is_a_copy():
+    lin = _reference(0)
+    p = lin.parametrizations.weight[0]
+    p.mask.fill_(True)
+    p.mask_on("cpu").fill_(True)
+    lin.parametrizations.weight.original.data.fill_(1.0)
+    assert bool((lin.weight[OFF] == 0.0).all())
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, (2, 2)), r"groups must be an int >= 1, got 0"),
+        ((2, (2,)), r"block_shape must be two ints >= 1 \(rows, columns\), got \(2,\)"),
+        ((2, (2, 0)), r"block_shape must be two ints >= 1"),
+    ],
+    ids=["no-groups", "one-side", "empty-side"],
+)
+def test_a_bad_mask_is_refused_where_it_is_made(args, match):
+    from blockdiag.masked import BlockDiagonalMask
+
+    with pytest.raises(BlockDiagError, match=match):
+        BlockDiagonalMask(*args)
+
+
+def test_a_mask_of_another_shape_is_refused_naming_both():
+    from blockdiag.masked import BlockDiagonalMask
+
+    with pytest.raises(BlockDiagError, match=r"weight of shape \(9, 6\) does not fit 3 blocks of shape \(2, 2\), "
+                                              r"which make a weight of shape \(6, 6\)"):
+        nn.utils.parametrize.register_parametrization(nn.Linear(6, 9), "weight", BlockDiagonalMask(3, (2, 2)))
