@@ -760,3 +760,16 @@ def test_cpu_autocast_casts_as_linear_does(name, layer_dtype):
     torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype, 8))
     y.float().square().sum().backward()
     assert layer.weight.grad.dtype == layer.bias.grad.dtype == layer_dtype
+
+
+@pytest.mark.parametrize("name, shape", [("weight", (2, 4, 6)), ("bias", (4,))])
+def test_a_parameter_replaced_by_another_shape_is_refused(name, shape):
+    # The ops take the groups from the weight: a 2-group weight on a 4-group layer computed
+    # 2 groups while the repr, to_linears and reset_parameters kept 4.
+    layer = GroupedLinear(12, 8, groups=4)
+    with pytest.raises(BlockDiagError, match=rf"GroupedLinear.{name}: the replacement has shape "
+                                             rf"\({', '.join(map(str, shape))},?\)"):
+        setattr(layer, name, nn.Parameter(torch.randn(shape)))
+    same = nn.Parameter(torch.randn(tuple(getattr(layer, name).shape)))
+    setattr(layer, name, same)  # the same shape (another dtype, a DTensor, ...) is the user's
+    assert getattr(layer, name) is same

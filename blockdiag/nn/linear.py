@@ -359,6 +359,18 @@ class GroupedLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
+    def __setattr__(self, name: str, value) -> None:
+        # The ops take the group count from the weight: a replacement of another shape would
+        # run as another layer while groups, the block sizes, the repr, reset_parameters and
+        # to_linears kept this one's. (Sharding registers parameters of the same global shape.)
+        if name in ("weight", "bias") and isinstance(value, torch.Tensor) and "block_in" in self.__dict__:
+            want = (self.groups, self.block_out, self.block_in) if name == "weight" else (self.out_features,)
+            check(f"{type(self).__name__}.{name}", tuple(value.shape) == want,
+                  f"the replacement has shape {tuple(value.shape)}, but this layer's {name} has shape {want} "
+                  f"(groups={self.groups}, block {self.block_in}x{self.block_out}); make a new layer for "
+                  "another shape")
+        super().__setattr__(name, value)
+
     @property
     def backend(self) -> str:
         """The backend name, or ``"auto"``; assigning an unknown name raises."""
