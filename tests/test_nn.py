@@ -773,3 +773,12 @@ def test_a_parameter_replaced_by_another_shape_is_refused(name, shape):
     same = nn.Parameter(torch.randn(tuple(getattr(layer, name).shape)))
     setattr(layer, name, same)  # the same shape (another dtype, a DTensor, ...) is the user's
     assert getattr(layer, name) is same
+
+
+def test_grouped_mlp_backend_reads_its_layers():
+    model = GroupedMLP(4, [3], 2, heads=2, backend="bmm")
+    assert model.backend == "bmm"
+    model.layers[1].backend = "loop"
+    assert model.backend == "mixed" and "backend='mixed'" in repr(model)
+    model.backend = "auto"
+    assert model.backend == "auto" and {layer.backend for layer in model.layers} == {"auto"}

@@ -197,14 +197,18 @@ class GroupedMLP(StrategyChoice, nn.Module):
 
     @property
     def backend(self) -> str:
-        """``"auto"`` or a backend name; setting it sets every layer's backend too."""
-        return self._backend
+        """``"auto"`` or a backend name; setting it sets every layer's backend too.
+
+        Read from the layers: ``"mixed"`` once layers were given different backends
+        (``model.layers[k].backend = ...``).
+        """
+        names = {layer.backend for layer in self.layers}
+        return names.pop() if len(names) == 1 else "mixed"
 
     @backend.setter
     def backend(self, name: str) -> None:
         if name != "auto":
             get(name, f"{type(self).__name__}.backend")
-        self._backend = name
         for layer in self.layers:
             layer.backend = name
 
