@@ -303,13 +303,20 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
             sp.issparse(matrix),
             f"matrix must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
         )
+        check(fn, len(matrix.shape) == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
         # A copy (tocoo may return the caller's own array), with duplicates summed as the
         # torch path coalesces: +1 and -1 at one place are a zero, not a stray entry.
         coo = matrix.tocoo(copy=True)
         coo.sum_duplicates()
         rows = torch.from_numpy(coo.row.astype("int64"))
         cols = torch.from_numpy(coo.col.astype("int64"))
-        vals = torch.from_numpy(coo.data)
+        try:
+            vals = torch.from_numpy(coo.data)
+        except TypeError:
+            raise BlockDiagError(
+                f"{fn}: matrix has dtype {coo.data.dtype}, which torch has no dtype for; convert it first "
+                "(matrix.astype(numpy.float64))"
+            ) from None
         shape = coo.shape
         _check_shape(fn, shape, groups)
         return _blocks_from_coo(fn, rows, cols, vals, shape, groups)
@@ -452,6 +459,16 @@ def from_scipy(
         layout in LAYOUTS,
         f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}",
     )
+    kind = getattr(getattr(spmatrix, "dtype", None), "kind", None)
+    if dtype is not None and kind in ("f", "c"):
+        import numpy as np
+
+        try:
+            torch.from_numpy(np.empty(0, spmatrix.dtype))
+        except TypeError:
+            # numpy's longdouble (or its complex): torch has none, and dtype says what to make
+            # of it; through the widest dtype torch has, nothing a torch dtype keeps is lost.
+            spmatrix = spmatrix.astype(np.float64 if kind == "f" else np.complex128)
     blocks = to_blocks(spmatrix, groups).to(device=device, dtype=dtype)
     return {
         "blocks": lambda b: b,
@@ -463,6 +480,10 @@ def from_scipy(
 
 
 def square_blocksize(block_out: int, block_in: int) -> tuple[int, int]:
-    """The largest square blocksize dividing a ``(block_out, block_in)`` block."""
-    s = math.gcd(block_out, block_in)
+    """The largest square blocksize dividing a ``(block_out, block_in)`` block (1 for an empty one).
+
+    >>> square_blocksize(6, 4), square_blocksize(0, 3), square_blocksize(0, 0)
+    ((2, 2), (3, 3), (1, 1))
+    """
+    s = math.gcd(block_out, block_in) or 1  # gcd(0, 0) is 0: every side divides an empty block
     return (s, s)

@@ -268,3 +268,18 @@ def test_to_scipy_refuses_meta_and_resolves_conjugate_and_negative_views():
     np.testing.assert_array_equal(to_scipy(z.conj()).toarray(), z.conj().resolve_conj().numpy())
     d = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     np.testing.assert_array_equal(to_scipy(torch._neg_view(d)).toarray(), -d.numpy())
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="numpy's longdouble is float64 here")
+def test_a_scipy_dtype_torch_lacks_is_refused_or_converted_as_asked():
+    a = sp.block_diag([np.ones((2, 2), dtype=np.longdouble)] * 3).tocsr()
+    with pytest.raises(BlockDiagError, match=r"to_blocks: matrix has dtype float128, which torch has no dtype for"):
+        blockdiag.to_blocks(a, 3)
+    # A target dtype says what to make of it (it was a TypeError from torch before dtype applied).
+    blocks = blockdiag.from_scipy(a, 3, layout="blocks", dtype=torch.float64)
+    assert blocks.dtype == torch.float64 and torch.equal(blocks, torch.ones(3, 2, 2, dtype=torch.float64))
+
+
+def test_a_one_dimensional_scipy_array_is_refused():
+    with pytest.raises(BlockDiagError, match=r"to_blocks: matrix must be 2-D, got shape \(6,\)"):
+        blockdiag.to_blocks(sp.coo_array(np.ones(6)), 3)

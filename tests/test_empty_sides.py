@@ -21,6 +21,7 @@ CASES = [
     pytest.param((2, 5), 3, 0, 4, id="no-inputs-3d"),
     pytest.param((10,), 3, 4, 0, id="no-outputs"),
     pytest.param((0,), 3, 0, 4, id="no-inputs-empty-batch"),
+    pytest.param((4,), 3, 0, 0, id="no-sides"),  # bsr divided by gcd(0, 0) = 0
 ]
 
 
