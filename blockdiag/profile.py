@@ -162,8 +162,10 @@ def _validate(doc: Any, path: str) -> dict:
                 and isinstance(m.get("skipped", {}), dict)
             ):
                 raise ValueError(f"entry {key!r} has a malformed measurement {m!r:.120}")
-        if not isinstance(e.get("not_measured", {}), dict):
-            raise ValueError(f"entry {key!r} has 'not_measured' that is not an object")
+        nm = e.get("not_measured", {})
+        # Its values are the plans' notes (text joined into Plan.reason): anything else crashed auto.
+        if not isinstance(nm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in nm.items()):
+            raise ValueError(f"entry {key!r} has 'not_measured' that is not an object of backend names to reasons")
         if not isinstance(e.get("runs", []), list):
             raise ValueError(f"entry {key!r} has 'runs' that is not a list")
         st = e.get("settings", {})
@@ -512,8 +514,9 @@ def _locked(p: Path):
 def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Callable[[Optional[dict], dict], dict]] = None) -> Path:
     """Merge ``entry`` into the profile at ``path`` atomically (temp file, then rename).
 
-    A corrupt existing file is replaced (its content could not be used anyway); a path
-    naming something other than a regular file (a FIFO, a device, a directory) is not.
+    A corrupt existing profile is replaced (its content could not be used anyway); a path
+    naming something other than a regular file (a FIFO, a device, a directory), a file over
+    :data:`MAX_PROFILE_BYTES` and JSON of another format are not.
     The read, the merge and the rename hold a lock on the file, so that concurrent savers
     (two ``blockdiag tune`` runs) each keep the other's entries.
 
@@ -529,7 +532,7 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
 
     Raises:
         BlockDiagError: if the entry is malformed (nothing is written, and ``auto`` does not
-            see it), the path names something other than a regular file, the directory
+            see it), the path names something other than a profile (see above), the directory
             cannot be created or written, or another process holds the lock too long.
     """
     p = Path(path or default_profile_path())
@@ -546,9 +549,12 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
 
 def _save_locked(entry: dict, p: Path, merge) -> Path:
     doc, err = read_profile(p)
-    if err is not None and err.startswith("not a regular file"):
-        # Renaming a file over a FIFO or a device would silently replace it.
-        raise BlockDiagError(f"save_entry: refusing to write {p}: {err}")
+    if err is not None and (err.startswith(_NOT_READ) or err == f"ValueError: not a {FORMAT} file"):
+        # Renaming a file over a FIFO or a device would silently replace it; a file too large
+        # to be a profile, or JSON of another format, is likely someone's data (a disk image,
+        # notes.json), not a damaged profile.
+        raise BlockDiagError(f"save_entry: refusing to write {p}: it is not a blockdiag profile ({err}); "
+                             "remove it, or name another path")
     # read_profile's document is the cached one that auto reads: merge into a copy, so that
     # an entry refused below never reaches auto.
     doc = {"format": FORMAT, "version": VERSION, "entries": {}} if doc is None else {**doc, "entries": dict(doc["entries"])}

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import torch
+
 from ._errors import BlockDiagError
 
 __all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_settings", "epoch", "bump_epoch"]
@@ -74,10 +76,13 @@ _FIELDS = tuple(_ENV)
 
 
 class _Local(threading.local):
-    # Class-level default: reading ``key`` in a thread that never entered ``config`` is a
-    # plain lookup (``getattr(local, name, default)`` raises and catches, ~0.4 us).
     # ``key`` names this thread's stack of ``config`` frames (0: none), see ``_stack_id``.
-    key: int = 0
+    # Set in each thread's own dict on its first access (threading.local runs __init__ per
+    # thread): a plain lookup (``getattr(local, name, default)`` raises and catches, ~0.4 us),
+    # and dynamo, which guards a compiled graph on it, sees the same attribute in and out
+    # of ``config`` blocks (a class-level default shadowed later escaped its guard).
+    def __init__(self) -> None:
+        self.key = 0
 
 
 _global: dict[str, Any] = {}
@@ -107,7 +112,7 @@ def _exact(typ: type, value: Any) -> bool:
 
 def _validate(name: str, value: Any, source: str) -> Any:
     if name not in _ENV:
-        raise BlockDiagError(f"config: unknown setting {name!r}; valid settings are {', '.join(_FIELDS)}")
+        raise BlockDiagError(f"{source}: unknown setting {name!r}; valid settings are {', '.join(_FIELDS)}")
     if value is None and name == "profile":
         return None
     typ = _ENV[name][1]
@@ -151,17 +156,21 @@ def set_config(**settings: Any) -> None:
     Raises:
         BlockDiagError: unknown setting or out-of-range value.
     """
-    try:
-        for k, v in settings.items():
-            if v is None:
-                if k not in _ENV:  # an unknown name raises; a known one is un-set, no value to check
-                    _validate(k, None, "set_config")
-                _global.pop(k, None)
-            else:
-                _global[k] = _validate(k, v, "set_config")
-    finally:
-        # Also after a bad value: the settings applied before it stay applied.
-        bump_epoch()
+    # All checked before any is applied (as config() does): a bad value changes nothing.
+    checked = {}
+    for k, v in settings.items():
+        if v is None:
+            if k not in _ENV:  # an unknown name raises; a known one is un-set, no value to check
+                _validate(k, None, "set_config")
+            checked[k] = None
+        else:
+            checked[k] = _validate(k, v, "set_config")
+    for k, v in checked.items():
+        if v is None:
+            _global.pop(k, None)
+        else:
+            _global[k] = v
+    bump_epoch()
 
 
 def set_sparsity_threshold(value: float | None) -> None:
@@ -188,6 +197,9 @@ def set_sparsity_threshold(value: float | None) -> None:
 def config(**settings: Any) -> Iterator[None]:
     """Override chooser settings inside a ``with`` block (thread-local, nestable).
 
+    Thread-local like ``torch.no_grad``: an ``await`` inside the block lets the thread's
+    other asyncio tasks run under these settings too; keep awaits out of it.
+
     The highest precedence: above :func:`set_config` / :func:`set_sparsity_threshold`,
     the environment variables, the tuning profile and the built-in defaults.
 
@@ -209,7 +221,9 @@ def config(**settings: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        stack.pop()
+        # This frame, not the top one: blocks left out of order (generators, tasks) each
+        # take their own frame away.
+        del stack[max(k for k, f in enumerate(stack) if f is frame)]
         _local.key = _stack_id(stack)
 
 
@@ -268,6 +282,9 @@ _next_generation = itertools.count(1).__next__
 # When (``time.monotonic``) :func:`epoch` next looks at the profile files on disk and at
 # the thread count; 0.0 after every bump, so the first call after a change looks at once.
 _recheck_at = 0.0
+# The thread count at the last look: ``torch.set_num_threads`` tells no one, and the profile
+# has an entry per thread count, so every epoch compares it (one C call) and looks at once.
+_threads_seen = -1
 
 
 def bump_epoch() -> None:
@@ -279,10 +296,11 @@ def bump_epoch() -> None:
 
 def _recheck(now: float) -> None:
     """Look at the profile files and the thread count (a change bumps the epoch)."""
-    global _recheck_at
+    global _recheck_at, _threads_seen
     # blockdiag.profile imports this module, so it is imported here, not at the top.
     from . import profile
 
+    _threads_seen = torch.get_num_threads()
     profile.changed_on_disk()
     _recheck_at = now + profile.RECHECK_S  # after: a bump resets it to 0.0
 
@@ -305,23 +323,24 @@ if _EPOCH_KEYS is not None:
     # ``epoch()[2:]`` are the variables' values.
     _K0, _K1, _K2, _K3, _K4, _K5 = _EPOCH_KEYS
 
-    def epoch(_get=_ENV_DATA.get, _now=time.monotonic) -> tuple:
+    def epoch(_get=_ENV_DATA.get, _now=time.monotonic, _threads=torch.get_num_threads) -> tuple:
         """A cheap, hashable value that changes whenever ``auto``'s answer may change.
 
         ``(generation, this thread's config stack, the six environment variables)``; the
-        profile files on disk and the thread count are looked at every
-        :data:`blockdiag.profile.RECHECK_S` seconds at most (a change bumps ``generation``).
+        profile files on disk are looked at every :data:`blockdiag.profile.RECHECK_S`
+        seconds at most, and at once when the thread count changed (either change bumps
+        ``generation``).
         See :mod:`blockdiag.dispatch`.
         """
-        if _now() >= _recheck_at:
+        if _now() >= _recheck_at or _threads() != _threads_seen:
             _recheck(_now())
         return generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4), _get(_K5)
 
 else:
 
-    def epoch(_now=time.monotonic) -> tuple:
+    def epoch(_now=time.monotonic, _threads=torch.get_num_threads) -> tuple:
         """A cheap, hashable value that changes whenever ``auto``'s answer may change."""
-        if _now() >= _recheck_at:
+        if _now() >= _recheck_at or _threads() != _threads_seen:
             _recheck(_now())
         return (generation, _local.key, *map(os.environ.get, _EPOCH_VARS))
 

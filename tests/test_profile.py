@@ -464,3 +464,29 @@ def test_save_entry_merges_into_what_the_file_holds_when_it_writes(tmp_path):
     assert seen[0]["measurements"] == [m]
     doc, _ = profile.read_profile(path)
     assert [e["batch"] for e in doc["entries"]["x|t|float32"]["measurements"]] == [8, 16]
+
+
+@pytest.mark.parametrize("bad", [{"loop": 5}, {"loop": None}, {"loop": ["x"]}], ids=["int", "null", "list"])
+def test_a_not_measured_reason_that_is_not_text_is_a_corrupt_profile(tmp_path, monkeypatch, bad):
+    # Its values are joined into the plan's reason: an int crashed every auto call.
+    e = entry([point(loop=1.0, bmm=2.0)])
+    e["not_measured"] = bad
+    path = write(tmp_path / "p.json", e)
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(path))
+    with pytest.warns(profile.ProfileWarning, match="is corrupt .*'not_measured' that is not an object"):
+        plan = blockdiag.GroupedLinear(500, 500, groups=50).plan(torch.randn(256, 500))
+    assert plan.source == profile.BUILTIN_SOURCE
+
+
+@pytest.mark.parametrize("kind", ["too large", "other JSON"])
+def test_save_entry_replaces_no_file_that_is_not_a_profile(tmp_path, monkeypatch, kind):
+    path = tmp_path / ("big.log" if kind == "too large" else "notes.json")
+    if kind == "too large":
+        monkeypatch.setattr(profile, "MAX_PROFILE_BYTES", 1000)
+        path.write_bytes(b"x" * 2000)
+    else:
+        path.write_text('{"my": "notes"}')
+    before = path.read_bytes()
+    with pytest.raises(BlockDiagError, match=rf"save_entry: refusing to write .*: it is not a blockdiag profile"):
+        profile.save_entry(entry([point(loop=1.0)]), path)
+    assert path.read_bytes() == before

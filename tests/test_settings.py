@@ -158,3 +158,36 @@ def test_double_backward_refuses_other_words_and_follows_the_precedence(monkeypa
         assert st.resolve("double_backward") == (True, "blockdiag.config()")
     blockdiag.set_config(double_backward=None)
     assert blockdiag.get_settings().double_backward is True
+
+
+def test_set_config_applies_nothing_when_one_value_is_bad():
+    before = st.get_settings().dense_max_groups
+    with pytest.raises(BlockDiagError, match=r"set_config: sparsity_threshold must lie in \[0, 1\], got 2.0"):
+        blockdiag.set_config(dense_max_groups=before + 3, sparsity_threshold=2.0)
+    assert st.get_settings().dense_max_groups == before
+    with pytest.raises(BlockDiagError, match=r"^set_config: unknown setting 'dense_max_group'"):
+        blockdiag.set_config(dense_max_group=None)
+
+
+def test_config_blocks_left_out_of_order_take_their_own_frames():
+    # Generators and asyncio tasks can leave blocks in another order than they entered them.
+    base = st.get_settings().sparsity_threshold
+    a, b = blockdiag.config(sparsity_threshold=0.25), blockdiag.config(sparsity_threshold=0.75)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert st.get_settings().sparsity_threshold == 0.75  # b's block is still open
+    b.__exit__(None, None, None)
+    assert st.get_settings().sparsity_threshold == base and st._local.key == 0
+
+
+def test_a_thread_count_change_is_seen_by_the_next_epoch():
+    import torch
+
+    n = torch.get_num_threads()
+    before = st.epoch()
+    try:
+        torch.set_num_threads(n + 1)
+        assert st.epoch() != before  # at once, not after profile.RECHECK_S
+    finally:
+        torch.set_num_threads(n)

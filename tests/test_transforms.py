@@ -619,6 +619,33 @@ def test_static_graph_follows_a_settings_change(batch_varying_profile):
     assert "aten.convolution.default" not in seen[-1], sorted(seen[-1])
 
 
+def test_static_graph_follows_a_config_block(batch_varying_profile, tmp_path):
+    # A config block changes eager auto's choice without moving the generation (re-entering
+    # one per step must not re-plan): the graph is guarded on the thread's config stack too,
+    # so it recompiles inside the block and runs the first graph again outside it.
+    from _profiles import entry, point, write
+
+    times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
+    times["bmm"] = 1.0
+    # Written first: writing a profile moves the generation, which alone recompiles.
+    other = write(tmp_path / "bmm.json", entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I,
+                                                      block_out=O, **times)]))
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    backend, seen = _graph_ops()
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
+    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    assert "aten.convolution.default" in seen[-1], sorted(seen[-1])
+    with blockdiag.config(profile=other):
+        assert layer.plan(x.requires_grad_()).backend == "bmm"
+        _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    assert len(seen) == 2, f"{len(seen)} forward graphs: the config block did not recompile"
+    assert {"aten.bmm.default", "aten.baddbmm.default"} & seen[-1], sorted(seen[-1])
+    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    assert len(seen) == 2  # outside the block: the first graph, cached
+
+
 def _aten_ops_run(fn) -> set[str]:
     from torch.profiler import profile as torch_profile
 

@@ -240,10 +240,15 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.reshape(*lead, g * o)
 
 
-def _compile_guard(generation: int) -> None:
-    """Nothing at run time; under dynamo, reading ``generation`` makes it a guard of the graph."""
-    if generation < 0:
-        raise AssertionError(generation)
+def _compile_guard(generation: int, config_key: int) -> None:
+    """Nothing at run time; under dynamo, reading the arguments makes them guards of the graph.
+
+    ``generation``: :data:`blockdiag.settings.generation`; ``config_key``: the calling
+    thread's stack of ``blockdiag.config`` blocks (``settings._local.key``), which dynamo
+    guards per call like any attribute it read.
+    """
+    if generation < 0 or config_key < 0:
+        raise AssertionError((generation, config_key))
 
 
 def _traced_plan_state(native: bool = True, dtype: torch.dtype | None = None, device_type: str = "cpu") -> str:
@@ -287,10 +292,11 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         train = _records_grad(x, weight, bias) and torch._C._get_tracing_state() is None
         if torch.compiler.is_compiling():
             # Dynamo guards what it reads: a graph that planned when traced (auto_inline at a
-            # concrete batch) recompiles when the generation moves (settings, profile, registry).
+            # concrete batch) recompiles when the generation moves (settings, profile, registry)
+            # or the calling thread's config blocks differ.
             # The new graph must also differ from the old one, or torch's compile caches (keyed
             # by the graph) hand back the old plan: it carries the plan state's digest.
-            _compile_guard(_settings.generation)
+            _compile_guard(_settings.generation, _settings._local.key)
             # The C++ ops of a native route have no forward-mode rule: a graph traced, or run,
             # with forward AD active records none (reading the level makes it a guard).
             state = _traced_plan_state(_fwad._current_level < 0, x2.dtype, x2.device.type)

@@ -354,7 +354,7 @@ class StrategyChoice:
             rows = rows * size
         if not _concrete(rows):  # a symbolic batch: the graph serves every batch size
             return x.device.type in CHAIN_WHEREVER_ALLOWED
-        _compile_guard(_settings.generation)
+        _compile_guard(_settings.generation, _settings._local.key)
         return _traced_measured_choice(self, rows, torch.is_grad_enabled(), x.requires_grad)
 
     def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
