@@ -487,6 +487,6 @@ def test_save_entry_replaces_no_file_that_is_not_a_profile(tmp_path, monkeypatch
     else:
         path.write_text('{"my": "notes"}')
     before = path.read_bytes()
-    with pytest.raises(BlockDiagError, match=rf"save_entry: refusing to write .*: it is not a blockdiag profile"):
+    with pytest.raises(BlockDiagError, match=r"save_entry: refusing to write .*: it is not a blockdiag profile"):
         profile.save_entry(entry([point(loop=1.0)]), path)
     assert path.read_bytes() == before
