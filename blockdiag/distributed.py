@@ -116,10 +116,22 @@ def _normalized(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p
 
 
-def _to_dtensor(x, mesh: DeviceMesh, layout: Placement):
-    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None):
+    """``x`` as a DTensor laid out as ``layout`` says it is, then redistributed to ``want``.
+
+    ``want``: the layout the op reads (``Shard(-1)``, by group, for a sharded layer), taken
+    here in the module's hook as torch's ``RowwiseParallel`` takes its own, rather than left
+    to the op's sharding rule: there a replicated input's slice was traced with this rank's
+    offsets into a compiled graph that torch's compile caches, which do not key on the rank,
+    then served to the other ranks (their outputs and the weight gradient silently wrong).
+    """
+    if not isinstance(x, torch.Tensor):
         return x
-    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if want is not None and tuple(_normalized(p, x.ndim) for p in x.placements) == (Replicate(),):
+        x = x.redistribute(mesh, (_normalized(want, x.ndim),))
+    return x
 
 
 def _finish(x, layout: Placement, use_local_output: bool):
@@ -195,11 +207,12 @@ class GroupParallel(ParallelStyle):
         else:
             _check_split(fn, "out_features", module.out_features, world, "output rows of the one group")
         _shard_layer(module, device_mesh, getattr(self, "src_data_rank", 0))
+        by_group = Shard(-1) if module.groups > 1 else None
         return distribute_module(
             module,
             device_mesh,
             None,
-            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, self.input_layouts), *inputs[1:]),
+            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, self.input_layouts, by_group), *inputs[1:]),
             lambda mod, out, mesh: _finish(out, self.output_layouts, self.use_local_output),
         )
 
@@ -315,8 +328,9 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
             parallel, FSDP2, or both).
 
     Returns:
-        a new model of the same type and configuration on the parameters' device, with
-        plain parameters equal to the full tensors; ``model`` is unchanged.
+        a new model of the same type and configuration (each layer's backend, training
+        mode and ``requires_grad``) on the parameters' device, with plain parameters equal to
+        the full tensors; ``model`` is unchanged.
 
     Raises:
         BlockDiagError: another module type.
@@ -328,8 +342,10 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
         plain = GroupedMLP(
             model.in_features, list(model.hidden_features), model.out_features, model.heads,
             bias=[layer.bias is not None for layer in model.layers], shared_input=model.shared_input,
-            backend=model.backend, strategy=model.strategy, device=w.device, dtype=w.dtype,
+            strategy=model.strategy, device=w.device, dtype=w.dtype,
         )
+        for mine, theirs in zip(plain.layers, model.layers):  # each its own ("mixed" is no name)
+            mine.backend = theirs.backend
         plain.activations = copy.deepcopy(model.activations)
         plain.output_activation = copy.deepcopy(model._modules.get("output_activation"))
     elif isinstance(model, GroupedLinear):
@@ -343,4 +359,6 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
     plain.load_state_dict(state)
     for p, q in zip(plain.parameters(), model.parameters()):
         p.requires_grad_(q.requires_grad)
+    for mine, theirs in zip(plain.modules(), model.modules()):  # eval() kept, module by module
+        mine.training = theirs.training
     return plain

@@ -26,6 +26,7 @@ parametrization would let it initialise a temporary copy of ``weight`` and keep 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from ._errors import BlockDiagError
 __all__ = ["BlockDiagonalMask", "mask_block_diagonal_", "remove_block_diagonal_mask_"]
 
 _ORIG = "parametrizations.weight.original"
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class BlockDiagonalMask(nn.Module):
@@ -115,7 +117,7 @@ class BlockDiagonalMask(nn.Module):
         # Selecting, not multiplying: NaN * 0 and inf * 0 are NaN, so one non-finite gradient
         # entry would turn `original`'s off-diagonal entries NaN for good. ``where``'s
         # backward passes exact zeros there instead.
-        return torch.where(self._mask_on(w.device), w, 0)
+        return torch.where(self._mask_on(w.device) if type(w) in _PLAIN else _mask_like(self, w), w, 0)
 
     def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
         # Assigning linear.weight = W stores W masked, so `original` never holds stray values.
@@ -194,7 +196,28 @@ def _reset_parameters(self) -> None:
         base()
     with torch.no_grad():
         orig = self.parametrizations.weight.original
-        orig.masked_fill_(~mask_mod._mask_on(orig.device), 0)
+        orig.masked_fill_(~_mask_like(mask_mod, orig), 0)
+
+
+def _is_dtensor(t) -> bool:
+    # Only once DTensor is loaded (a DTensor cannot exist before): importing it here would
+    # load it for every user. isinstance, not the type's name: FSDP2 hands out Parameters.
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and isinstance(t, dt.DTensor)
+
+
+def _mask_like(mask_mod: BlockDiagonalMask, t: torch.Tensor) -> torch.Tensor:
+    """The mask laid out as ``t``: sharded as a DTensor ``t`` is (FSDP2 shards ``original``),
+    each rank cutting its own shard from its own copy, without communication."""
+    m = mask_mod._mask_on(t.device)
+    if _is_dtensor(t):
+        import inspect
+
+        from torch.distributed.tensor import distribute_tensor
+
+        local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
+        m = distribute_tensor(m, t.device_mesh, t.placements, **local)
+    return m
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -203,7 +226,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         orig = state_dict.pop(key)
         # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
         # Detached: with keep_vars=True too, a value (a leaf), as a parameter would be.
-        mask = module.parametrizations.weight[0]._mask_on(orig.device)
+        mask = _mask_like(module.parametrizations.weight[0], orig)
         state_dict[prefix + "weight"] = torch.where(mask, orig.detach(), 0)
     return state_dict
 
@@ -225,6 +248,8 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
         module._blockdiag_reported = True
         return
     if isinstance(w, torch.Tensor) and w.device.type != "meta":
+        if _is_dtensor(w):  # a sharded checkpoint (FSDP2): every rank loads, so every rank gathers
+            w = w.full_tensor()
         off = (w != 0) & ~mask_mod._mask_on(w.device)
         if bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])

@@ -201,6 +201,31 @@ def test_to_heads_refused_then_gathered(w2):
         assert "'layers.0.weight' is already a DTensor" in c["twice"], c
 
 
+def test_masked_linear_under_fsdp2_saves_and_loads(w2):
+    for r in w2:
+        c = r["masked_fsdp2"]
+        assert c["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"], c
+        assert c["off_block"] == 0.0 and c["round_trip"] == 0.0, c
+
+
+def test_gather_model_keeps_layer_backends_and_eval_mode(w2):
+    for r in w2:
+        assert r["gathered_mixed"] == {"backends": ["auto", "bmm"], "training": [False]}, r["gathered_mixed"]
+
+
+def test_compiled_group_parallel_layer_over_a_warm_compile_cache(tmp, monkeypatch):
+    # Twice over one inductor cache: the second launch's ranks are served the first's graphs.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    for launch in ("cold", "warm"):
+        where = tmp / f"compiled-{launch}"  # each launch its own file store
+        where.mkdir()
+        for rank, r in enumerate(_run_ok("compiled", 2, where)):
+            for backend, c in r.items():
+                assert c["out"] <= F64 and c["grad"] <= F64, (launch, rank, backend, c)
+
+
 def test_a_rank_that_raises_does_not_hang_the_others(tmp):
     rc, out, seconds, _ = _launch("raise", 2, tmp, timeout=120)
     assert rc != 0 and "rank 1 fails on purpose" in out, out[-4000:]
@@ -554,6 +579,14 @@ def _job_w2(rank, world, tmp):
     res["forum_per_head"], _, _ = _train_case(mesh, 50, False, sharded_input=True, replicated_output=True)
     res["float64"], res["float64_comms"] = _float64_cases(mesh, world)
     res["linear"] = _linear_case(mesh, world)
+    res["masked_fsdp2"] = _masked_fsdp2(mesh)
+    # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
+    mixed = blockdiag.GroupedMLP(4, [6], 2, heads=2 * world).eval()
+    mixed.layers[1].backend = "bmm"
+    bdd.parallelize_groups(mixed, mesh)
+    plain = bdd.gather_model(mixed)
+    res["gathered_mixed"] = {"backends": [layer.backend for layer in plain.layers],
+                             "training": sorted({m.training for m in plain.modules()})}
     res["backward_flags"] = _backward_flags(mesh, world)
     # The 4-rank checkpoint, resharded onto 2 ranks.
     model = blockdiag.GroupedMLP(**FORUM, heads=52)
@@ -573,6 +606,61 @@ def _job_w2(rank, world, tmp):
     return res
 
 
+def _job_compiled(rank, world, tmp):
+    """torch.compile (inductor) of a group-parallel GroupedLinear, training step, float64.
+
+    Launched twice over one inductor cache: the second launch is served the graphs the first
+    compiled, which must not carry rank 0's slice of the replicated input to rank 1.
+    """
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    mesh = init_device_mesh("cpu", (world,))
+    g, i, o = 3 * world, 3, 2
+    mine = bdd.local_groups(g, mesh)
+    res = {}
+    for backend in ("bmm", "auto"):
+        torch.manual_seed(0)
+        layer = blockdiag.GroupedLinear(g * i, g * o, g, backend=backend, dtype=torch.float64)
+        ref = copy.deepcopy(layer)
+        bdd.parallelize_groups(layer, mesh)
+        x = torch.randn(7, g * i, dtype=torch.float64, requires_grad=True)
+        gy = torch.randn(7, g * o, dtype=torch.float64)
+        y = torch.compile(layer)(x)
+        y.backward(gy[:, mine.start * o:mine.stop * o])
+        yr = ref(x.detach())
+        yr.backward(gy)
+        res[backend] = {
+            "out": _err(y, yr[:, mine.start * o:mine.stop * o]),
+            "grad": max(_err(layer.weight.grad, ref.weight.grad), _err(layer.bias.grad, ref.bias.grad)),
+        }
+    return res
+
+
+def _masked_fsdp2(mesh):
+    """mask_block_diagonal_ on an nn.Linear under FSDP2: its sharded state dict saves and loads."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import blockdiag
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    blockdiag.mask_block_diagonal_(net[0], 3)
+    fully_shard(net, mesh=mesh)
+    net(torch.randn(4, 6)).sum().backward()
+    sd = get_model_state_dict(net)
+    full = {k: _full(v) for k, v in net.state_dict().items()}
+    set_model_state_dict(net, sd)
+    off = ~blockdiag.block_diag_mask(3, (4, 2))
+    return {"keys": sorted(sd), "off_block": float(full["0.weight"][off].abs().max()),
+            "round_trip": max(_err(_full(v), full[k]) for k, v in net.state_dict().items())}
+
+
 def _job_raise(rank, world, tmp):
     import torch.distributed as dist
 
@@ -582,7 +670,7 @@ def _job_raise(rank, world, tmp):
     return {}
 
 
-JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise}
+JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled}
 
 
 def _worker(rank, job, world, tmp):
