@@ -208,6 +208,12 @@ def test_masked_linear_under_fsdp2_saves_and_loads(w2):
         assert c["off_block"] == 0.0 and c["round_trip"] == 0.0, c
 
 
+def test_double_backward_through_a_group_parallel_layer(w2):
+    for r in w2:
+        c = r["double_backward"]
+        assert c["input_grad"] <= F64 and c["weight_grad"] <= F64, c
+
+
 def test_gather_model_keeps_layer_backends_and_eval_mode(w2):
     for r in w2:
         assert r["gathered_mixed"] == {"backends": ["auto", "bmm"], "training": [False]}, r["gathered_mixed"]
@@ -580,6 +586,7 @@ def _job_w2(rank, world, tmp):
     res["float64"], res["float64_comms"] = _float64_cases(mesh, world)
     res["linear"] = _linear_case(mesh, world)
     res["masked_fsdp2"] = _masked_fsdp2(mesh)
+    res["double_backward"] = _double_backward(mesh, world)
     # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
     mixed = blockdiag.GroupedMLP(4, [6], 2, heads=2 * world).eval()
     mixed.layers[1].backend = "bmm"
@@ -639,6 +646,29 @@ def _job_compiled(rank, world, tmp):
             "grad": max(_err(layer.weight.grad, ref.weight.grad), _err(layer.bias.grad, ref.bias.grad)),
         }
     return res
+
+
+def _double_backward(mesh, world):
+    """create_graph=True through a group-parallel GroupedLinear (a gradient penalty), float64."""
+    import copy
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    g, i, o = 3 * world, 3, 2
+    mine = bdd.local_groups(g, mesh)
+    torch.manual_seed(4)
+    layer = blockdiag.GroupedLinear(g * i, g * o, g, dtype=torch.float64)
+    ref = copy.deepcopy(layer)
+    bdd.parallelize_groups(layer, mesh)
+    x = torch.randn(5, g * i, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    gx.pow(2).sum().backward()
+    # The replicated input's gradient gathers every rank's: the whole layer's.
+    (gr,) = torch.autograd.grad(ref(x).pow(2).sum(), x, create_graph=True)
+    gr.pow(2).sum().backward()
+    return {"input_grad": _err(gx, gr),
+            "weight_grad": _err(layer.weight.grad.to_local(), ref.weight.grad[mine.start:mine.stop])}
 
 
 def _masked_fsdp2(mesh):
