@@ -116,6 +116,17 @@ def _normalized(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p
 
 
+def _check_local_width(fn: str, x, layout: Placement, width: int, world: int) -> None:
+    """A plain input said to be sharded by feature must have this rank's share of the features."""
+    if (type(layout) is Shard and isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 1
+            and x.shape[-1] != width // world):
+        whole = " (the whole input? pass input_layouts=Replicate() for that)" if x.shape[-1] == width else ""
+        raise BlockDiagError(
+            f"{fn}: with input_layouts=Shard(-1) each rank passes its own groups' features, "
+            f"[..., {width} / {world} = {width // world}]; this rank passed shape {tuple(x.shape)}{whole}"
+        )
+
+
 def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None):
     """``x`` as a DTensor laid out as ``layout`` says it is, then redistributed to ``want``.
 
@@ -208,11 +219,16 @@ class GroupParallel(ParallelStyle):
             _check_split(fn, "out_features", module.out_features, world, "output rows of the one group")
         _shard_layer(module, device_mesh, getattr(self, "src_data_rank", 0))
         by_group = Shard(-1) if module.groups > 1 else None
+
+        def prepare(mod, inputs, mesh):
+            _check_local_width(fn, inputs[0], self.input_layouts, module.in_features, world)
+            return (_to_dtensor(inputs[0], mesh, self.input_layouts, by_group), *inputs[1:])
+
         return distribute_module(
             module,
             device_mesh,
             None,
-            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, self.input_layouts, by_group), *inputs[1:]),
+            prepare,
             lambda mod, out, mesh: _finish(out, self.output_layouts, self.use_local_output),
         )
 
@@ -249,7 +265,13 @@ def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupP
         sub._apply(layer, mesh)
     # The model checks the input's global shape before its first layer runs: make a local
     # input a DTensor here already (the first layer then takes it as it is).
-    model.register_forward_pre_hook(lambda mod, inputs: (_to_dtensor(inputs[0], mesh, style.input_layouts), *inputs[1:]))
+    width = model.heads * model.in_features
+
+    def prepare(mod, inputs):
+        _check_local_width(fn, inputs[0], style.input_layouts, width, world)
+        return (_to_dtensor(inputs[0], mesh, style.input_layouts), *inputs[1:])
+
+    model.register_forward_pre_hook(prepare)
     return model
 
 

@@ -214,6 +214,14 @@ def test_double_backward_through_a_group_parallel_layer(w2):
         assert c["input_grad"] <= F64 and c["weight_grad"] <= F64, c
 
 
+def test_refusals_on_a_group_parallel_model_name_the_cause(w2):
+    for r in w2:
+        m = r["messages"]
+        assert ("with input_layouts=Shard(-1) each rank passes its own groups' features, [..., 20 / 2 = 10]; "
+                "this rank passed shape (3, 20) (the whole input?") in m["whole_input"], m
+        assert "layers[0].weight is not a plain tensor parameter (a DTensor of group parallelism" in m["fm_chain"], m
+
+
 def test_gather_model_keeps_layer_backends_and_eval_mode(w2):
     for r in w2:
         assert r["gathered_mixed"] == {"backends": ["auto", "bmm"], "training": [False]}, r["gathered_mixed"]
@@ -587,6 +595,7 @@ def _job_w2(rank, world, tmp):
     res["linear"] = _linear_case(mesh, world)
     res["masked_fsdp2"] = _masked_fsdp2(mesh)
     res["double_backward"] = _double_backward(mesh, world)
+    res["messages"] = _messages(mesh, world)
     # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
     mixed = blockdiag.GroupedMLP(4, [6], 2, heads=2 * world).eval()
     mixed.layers[1].backend = "bmm"
@@ -669,6 +678,30 @@ def _double_backward(mesh, world):
     gr.pow(2).sum().backward()
     return {"input_grad": _err(gx, gr),
             "weight_grad": _err(layer.weight.grad.to_local(), ref.weight.grad[mine.start:mine.stop])}
+
+
+def _messages(mesh, world):
+    """The refusals a group-parallel model gives: what each names."""
+    from torch.distributed.tensor import Shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    out = {}
+    model = blockdiag.GroupedMLP(5, [4], 2, heads=2 * world, shared_input=False)
+    bdd.parallelize_groups(model, mesh, input_layouts=Shard(-1))
+    try:
+        model(torch.randn(3, 5 * 2 * world))  # the whole input, not this rank's share
+    except blockdiag.BlockDiagError as e:
+        out["whole_input"] = str(e)
+    chain = blockdiag.GroupedMLP(5, [4], 2, heads=2 * world)
+    bdd.parallelize_groups(chain, mesh)
+    chain.strategy = "fm_chain"
+    try:
+        chain(torch.randn(3, 5))
+    except blockdiag.BlockDiagError as e:
+        out["fm_chain"] = str(e)
+    return out
 
 
 def _masked_fsdp2(mesh):

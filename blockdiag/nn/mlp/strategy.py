@@ -183,17 +183,22 @@ class StrategyChoice:
         # of devices costs a device object.
         dt = x.dtype
         for k, layer in enumerate(self._modules["layers"]._modules.values()):
+            params = layer._parameters
+            w = params.get("weight")
+            # Before the hooks: group parallelism and FSDP2 hook the layers they distribute,
+            # and the parameters are the reason to name.
+            if w is not None and not _plain(w, traced):
+                return (f"layers[{k}].weight is not a plain tensor parameter (a DTensor of group parallelism or "
+                        "FSDP2, or another subclass)")
             if _hooked(layer):
                 return (
                     f"layers[{k}] has forward or backward hooks (torch.nn.utils.prune and the old "
                     f"weight_norm use them too), and {who} never calls the layer"
                 )
-            params = layer._parameters
             if "parametrizations" in layer._modules:
                 return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and {who} reads the raw parameters"
-            w = params.get("weight")
-            if w is None or not _plain(w, traced):
-                return f"layers[{k}].weight is not a plain tensor parameter (a DTensor, another subclass, or rewritten)"
+            if w is None:
+                return f"layers[{k}].weight is not a registered parameter (rewritten)"
             if w.dtype != dt or (k == 0 and w.device != x.device):
                 return f"layers[{k}].weight is {w.dtype} on {w.device} but the input is {dt} on {x.device}"
             if "bias" not in params:
