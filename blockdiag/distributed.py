@@ -169,7 +169,7 @@ class GroupParallel(ParallelStyle):
     Args:
         input_layouts: how a plain (local) input tensor is laid out across the mesh:
             ``Replicate()`` (default: every rank passes the whole input; each rank's product
-            reads its own groups' slice of it in place, with no communication) or
+            takes its own groups' slice of it, with no communication) or
             ``Shard(-1)`` (each rank passes only its groups' features, ``[..., G/world * in]``;
             not for a shared input, which every head reads whole). A DTensor input is taken
             as it is.
