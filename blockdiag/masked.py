@@ -26,7 +26,6 @@ parametrization would let it initialise a temporary copy of ``weight`` and keep 
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from torch.nn.utils import parametrize
 
 from ._checks import check, check_groups
 from ._errors import BlockDiagError
+from .ops._sharding import is_dtensor
 
 __all__ = ["BlockDiagonalMask", "mask_block_diagonal_", "remove_block_diagonal_mask_"]
 
@@ -199,18 +199,11 @@ def _reset_parameters(self) -> None:
         orig.masked_fill_(~_mask_like(mask_mod, orig), 0)
 
 
-def _is_dtensor(t) -> bool:
-    # Only once DTensor is loaded (a DTensor cannot exist before): importing it here would
-    # load it for every user. isinstance, not the type's name: FSDP2 hands out Parameters.
-    dt = sys.modules.get("torch.distributed.tensor")
-    return dt is not None and isinstance(t, dt.DTensor)
-
-
 def _mask_like(mask_mod: BlockDiagonalMask, t: torch.Tensor) -> torch.Tensor:
     """The mask laid out as ``t``: sharded as a DTensor ``t`` is (FSDP2 shards ``original``),
     each rank cutting its own shard from its own copy, without communication."""
     m = mask_mod._mask_on(t.device)
-    if _is_dtensor(t):
+    if is_dtensor(t):
         import inspect
 
         from torch.distributed.tensor import distribute_tensor
@@ -248,7 +241,7 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
         module._blockdiag_reported = True
         return
     if isinstance(w, torch.Tensor) and w.device.type != "meta":
-        if _is_dtensor(w):  # a sharded checkpoint (FSDP2): every rank loads, so every rank gathers
+        if is_dtensor(w):  # a sharded checkpoint (FSDP2): every rank loads, so every rank gathers
             w = w.full_tensor()
         off = (w != 0) & ~mask_mod._mask_on(w.device)
         if bool(off.any()):

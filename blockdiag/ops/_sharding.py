@@ -46,7 +46,7 @@ import torch
 
 from .._errors import BlockDiagError
 
-__all__ = ["UnevenGroupsError", "ensure", "refuse_sharded"]
+__all__ = ["UnevenGroupsError", "ensure", "is_dtensor", "refuse_sharded"]
 
 _done = False
 _lock = threading.Lock()
@@ -198,6 +198,12 @@ def ensure() -> None:
         _done = True
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing DTensor (none can exist before it is loaded)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and isinstance(t, dt.DTensor)
+
+
 def refuse_sharded(fn: str, module: torch.nn.Module, prefix: str = "") -> None:
     """Raise :class:`~blockdiag.BlockDiagError` if ``module`` holds a DTensor parameter or buffer.
 
@@ -209,11 +215,9 @@ def refuse_sharded(fn: str, module: torch.nn.Module, prefix: str = "") -> None:
     """
     if "torch.distributed.tensor" not in sys.modules:
         return
-    from torch.distributed.tensor import DTensor
-
     for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in items:
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 raise BlockDiagError(
                     f"{fn}: {kind} {prefix + name!r} is a DTensor {tuple(t.placements)} on a mesh of shape "
                     f"{tuple(t.device_mesh.shape)} (a group-parallel or otherwise distributed model), so this "
