@@ -567,16 +567,28 @@ def test_exported_auto_decomposes_by_batch_and_round_trips(tmp_path):
     _close(torch.export.load(path).module()(x), want, torch.float32, what="static, saved and loaded")
 
 
-def _write_winner(winner, batch):
-    """Write the default profile with ``winner`` fastest at ``batch`` (the module's G, I, O), train."""
+def _write_winner(winner, batch, path=None):
+    """Write a profile (default: the default one) with ``winner`` fastest at ``batch`` (the
+    module's G, I, O), train; its path."""
     from _profiles import entry, point, write
 
     from blockdiag import profile
 
     times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
     times[winner] = 1.0
-    write(profile.default_profile_path(),
-          entry([point(mode="train", batch=batch, groups=G, block_in=I, block_out=O, **times)]))
+    return write(path or profile.default_profile_path(),
+                 entry([point(mode="train", batch=batch, groups=G, block_in=I, block_out=O, **times)]))
+
+
+def _compiled_auto():
+    """An auto layer compiled without codegen, run once at INLINED_AT: (layer, compiled, graphs seen, x, gy)."""
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    backend, seen = _graph_ops()
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
+    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    return layer, compiled, seen, x, gy
 
 
 @pytest.mark.parametrize("name", ["simd", "bmm", "loop"])
@@ -602,12 +614,7 @@ def test_exported_backend_op_decomposes_saves_and_loads(name, tmp_path):
 
 
 def test_static_graph_follows_a_settings_change(batch_varying_profile):
-    w, b = _params(torch.float32)
-    layer = _layer("auto", w, b)
-    backend, seen = _graph_ops()
-    compiled = torch.compile(layer, backend=backend, dynamic=False)
-    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
-    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    layer, compiled, seen, x, gy = _compiled_auto()
     assert "aten.convolution.default" in seen[-1], sorted(seen[-1])
     # The same shape's winner becomes bmm: the profile is rewritten (clear_cache moves the
     # generation the graph is guarded on), and the compiled layer must follow eager auto.
@@ -623,19 +630,9 @@ def test_static_graph_follows_a_config_block(batch_varying_profile, tmp_path):
     # A config block changes eager auto's choice without moving the generation (re-entering
     # one per step must not re-plan): the graph is guarded on the thread's config stack too,
     # so it recompiles inside the block and runs the first graph again outside it.
-    from _profiles import entry, point, write
-
-    times = {c: 10.0 for c in CANDIDATES if not get(c).unavailable_reason()}
-    times["bmm"] = 1.0
     # Written first: writing a profile moves the generation, which alone recompiles.
-    other = write(tmp_path / "bmm.json", entry([point(mode="train", batch=INLINED_AT, groups=G, block_in=I,
-                                                      block_out=O, **times)]))
-    w, b = _params(torch.float32)
-    layer = _layer("auto", w, b)
-    backend, seen = _graph_ops()
-    compiled = torch.compile(layer, backend=backend, dynamic=False)
-    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
-    _run_module(compiled, (layer.weight, layer.bias), x, gy)
+    other = _write_winner("bmm", INLINED_AT, tmp_path / "bmm.json")
+    layer, compiled, seen, x, gy = _compiled_auto()
     assert "aten.convolution.default" in seen[-1], sorted(seen[-1])
     with blockdiag.config(profile=other):
         assert layer.plan(x.requires_grad_()).backend == "bmm"
