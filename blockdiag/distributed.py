@@ -112,8 +112,16 @@ def _placement(fn: str, arg: str, p: Placement | None, default: Placement, ndim_
     )
 
 
-def _normalized(p: Placement, ndim: int) -> Placement:
-    return Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p
+def _laid_out_as(x, layout: Placement) -> bool:
+    """Whether the 1-D-mesh DTensor ``x`` is laid out as ``layout`` (``Replicate()`` or ``Shard(-1)``).
+
+    Compared without building a placement: under ``torch.compile(dynamic=True)`` dynamo may
+    trace ``Shard.dim`` as a symbolic int, which a new ``Shard`` cannot take.
+    """
+    (p,) = x.placements
+    if isinstance(layout, Replicate):
+        return isinstance(p, Replicate)
+    return type(p) is Shard and p.dim % x.ndim == layout.dim % x.ndim
 
 
 def _check_local_width(fn: str, x, layout: Placement, width: int, world: int) -> None:
@@ -140,17 +148,16 @@ def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None =
         return x
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
-    if want is not None and tuple(_normalized(p, x.ndim) for p in x.placements) == (Replicate(),):
-        x = x.redistribute(mesh, (_normalized(want, x.ndim),))
+    if want is not None and _laid_out_as(x, Replicate()):
+        x = x.redistribute(mesh, (want,))
     return x
 
 
 def _finish(x, layout: Placement, use_local_output: bool):
     if not isinstance(x, DTensor):
         return x
-    want = (_normalized(layout, x.ndim),)
-    if tuple(_normalized(p, x.ndim) for p in x.placements) != want:
-        x = x.redistribute(placements=want)
+    if not _laid_out_as(x, layout):
+        x = x.redistribute(placements=(layout,))
     return x.to_local() if use_local_output else x
 
 
@@ -264,11 +271,17 @@ def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupP
         sub.src_data_rank = getattr(style, "src_data_rank", 0)
         sub._apply(layer, mesh)
     # The model checks the input's global shape before its first layer runs: make a local
-    # input a DTensor here already (the first layer then takes it as it is).
+    # input sharded by head a DTensor here already (the first layer then takes it as it is).
+    # A replicated one is its own global shape and stays plain until the first layer's hook:
+    # a DTensor handed from this hook to the forward crosses a graph break, and inductor then
+    # fails to compile the backward of the first layer's Replicate -> Shard(-1) slice under
+    # dynamic shapes (its width symbol is not bound in the backward graph).
     width = model.heads * model.in_features
 
     def prepare(mod, inputs):
         _check_local_width(fn, inputs[0], style.input_layouts, width, world)
+        if isinstance(style.input_layouts, Replicate):
+            return None
         return (_to_dtensor(inputs[0], mesh, style.input_layouts), *inputs[1:])
 
     model.register_forward_pre_hook(prepare)

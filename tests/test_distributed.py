@@ -654,6 +654,31 @@ def _job_compiled(rank, world, tmp):
             "out": _err(y, yr[:, mine.start * o:mine.stop * o]),
             "grad": max(_err(layer.weight.grad, ref.weight.grad), _err(layer.bias.grad, ref.bias.grad)),
         }
+    # dynamic=True over three batch sizes: the layout hooks compare placements whose Shard.dim
+    # dynamo traces as a symbolic int (building a Shard from it failed to trace), and the
+    # model's replicated input reaches its first layer plain (see _parallelize_mlp).
+    torch.manual_seed(1)
+    models = {
+        "dynamic-layer": blockdiag.GroupedLinear(g * i, g * o, g, backend="bmm", dtype=torch.float64),
+        "dynamic-mlp": blockdiag.GroupedMLP(i, [4], o, heads=g, shared_input=False, dtype=torch.float64),
+    }
+    for name, model in models.items():
+        ref = copy.deepcopy(model)
+        bdd.parallelize_groups(model, mesh)
+        compiled = torch.compile(model, dynamic=True)
+        out = grad = 0.0
+        for batch in (3, 7, 11):
+            x = torch.randn(batch, g * i, dtype=torch.float64)
+            gy = torch.randn(batch, g * o, dtype=torch.float64)
+            model.zero_grad()
+            ref.zero_grad()
+            y = compiled(x)
+            y.backward(gy[:, mine.start * o:mine.stop * o])
+            yr = ref(x)
+            yr.backward(gy)
+            out = max(out, _err(y, yr[:, mine.start * o:mine.stop * o]))
+            grad = max(grad, *(_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+        res[name] = {"out": out, "grad": grad}
     return res
 
 
