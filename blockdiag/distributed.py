@@ -138,6 +138,9 @@ def _check_local_width(fn: str, x, layout: Placement, width: int, world: int) ->
 def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None):
     """``x`` as a DTensor laid out as ``layout`` says it is, then redistributed to ``want``.
 
+    A DTensor input is taken as it is laid out, replicated, partial or sharded on any dimension
+    (unevenly too), and redistributed to ``want``.
+
     ``want``: the layout the op reads (``Shard(-1)``, by group, for a sharded layer), taken
     here in the module's hook as torch's ``RowwiseParallel`` takes its own, rather than left
     to the op's sharding rule: there a replicated input's slice was traced with this rank's
@@ -148,8 +151,14 @@ def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None =
         return x
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
-    if want is not None and _laid_out_as(x, Replicate()):
+    if want is not None and not _laid_out_as(x, want):
+        sliced = _laid_out_as(x, Replicate())
         x = x.redistribute(mesh, (want,))
+        if not sliced and not x.to_local().is_contiguous():
+            # torch's all-to-all from a dimension sharded unevenly leaves a padded local tensor
+            # that DTensor's own contiguous() keeps and its reshape then fails to view.
+            x = DTensor.from_local(x.to_local().contiguous(), mesh, x.placements, run_check=False,
+                                   shape=x.shape, stride=x.stride())
     return x
 
 
@@ -178,8 +187,9 @@ class GroupParallel(ParallelStyle):
             ``Replicate()`` (default: every rank passes the whole input; each rank's product
             takes its own groups' slice of it, with no communication) or
             ``Shard(-1)`` (each rank passes only its groups' features, ``[..., G/world * in]``;
-            not for a shared input, which every head reads whole). A DTensor input is taken
-            as it is.
+            not for a shared input, which every head reads whole). A DTensor input may be
+            laid out in any way (rows sharded, unevenly too, or a partial sum): it is
+            redistributed to the layer's groups.
         output_layouts: ``Shard(-1)`` (default: each rank keeps its groups' outputs
             ``[..., G/world * out]``, no communication) or ``Replicate()`` (one all-gather:
             every rank gets the whole output).

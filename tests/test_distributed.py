@@ -214,6 +214,13 @@ def test_double_backward_through_a_group_parallel_layer(w2):
         assert c["input_grad"] <= F64 and c["weight_grad"] <= F64, c
 
 
+def test_dtensor_inputs_in_any_layout(w2):
+    # Rows sharded unevenly (2-D and 3-D), another batch dimension sharded, a partial sum.
+    for r in w2:
+        c = r["dtensor_inputs"]
+        assert len(c) == 4 and all(e <= F64 for e in c.values()), c
+
+
 def test_refusals_on_a_group_parallel_model_name_the_cause(w2):
     for r in w2:
         m = r["messages"]
@@ -595,6 +602,7 @@ def _job_w2(rank, world, tmp):
     res["linear"] = _linear_case(mesh, world)
     res["masked_fsdp2"] = _masked_fsdp2(mesh)
     res["double_backward"] = _double_backward(mesh, world)
+    res["dtensor_inputs"] = _dtensor_inputs(mesh, world)
     res["messages"] = _messages(mesh, world)
     # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
     mixed = blockdiag.GroupedMLP(4, [6], 2, heads=2 * world).eval()
@@ -703,6 +711,38 @@ def _double_backward(mesh, world):
     gr.pow(2).sum().backward()
     return {"input_grad": _err(gx, gr),
             "weight_grad": _err(layer.weight.grad.to_local(), ref.weight.grad[mine.start:mine.stop])}
+
+
+def _dtensor_inputs(mesh, world):
+    """DTensor inputs in other layouts (rows sharded unevenly, 3-D, partial), float64: errors."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    g, i, o = 2 * world, 3, 2
+    out = {}
+    for shape, placement in [((5, g * i), Shard(0)), ((5, 3, g * i), Shard(0)), ((4, 5, g * i), Shard(1)),
+                             ((4, 3, g * i), Partial())]:
+        torch.manual_seed(5)
+        layer = blockdiag.GroupedLinear(g * i, g * o, g, dtype=torch.float64)
+        ref = copy.deepcopy(layer)
+        bdd.parallelize_groups(layer, mesh, output_layouts=Replicate(), use_local_output=False)
+        whole = torch.randn(shape, dtype=torch.float64)
+        if isinstance(placement, Partial):  # each rank holds a share of the sum
+            x = DTensor.from_local(whole / world, mesh, [placement]).requires_grad_()
+        else:
+            x = distribute_tensor(whole, mesh, [placement]).requires_grad_()
+        y = layer(x)
+        gy = torch.randn(shape[:-1] + (g * o,), dtype=torch.float64)
+        y.backward(distribute_tensor(gy, mesh, [Replicate()]))
+        xr = whole.clone().requires_grad_()
+        ref(xr).backward(gy)
+        out[f"{shape} {placement}"] = max(_err(y, ref(whole)), _err(x.grad, xr.grad),
+                                          _err(layer.weight.grad, ref.weight.grad), _err(layer.bias.grad, ref.bias.grad))
+    return out
 
 
 def _messages(mesh, world):
