@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
+from torch.utils.checkpoint import checkpoint
 
 import blockdiag
 from blockdiag import BlockDiagError, GroupedMLP
@@ -693,3 +694,49 @@ def test_eager_auto_runs_the_heads_where_the_rule_says(rule, rows, grad, want, m
         heads_spy.clear()
         model(x)
         assert not heads_spy and model.plan(x).strategy == "layers"
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_compiled_chain_under_cpu_autocast_trains_as_eager(amp_dtype):
+    # The traced chain's last product is blockdiag::fm_rows (block_out 32 pays the row write),
+    # which autocast does not cast: it got the autocast-dtype hidden units and the float32
+    # weight ("mat1 and mat2 must have the same dtype").
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GroupedMLP(16, 32, 32, heads=4, strategy="fm_chain")
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=amp_dtype):
+        want = model(x)
+        got = torch.compile(model)(x)
+    assert got.dtype == want.dtype == amp_dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    got.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("act, compiled", [(nn.Dropout, False), (nn.RReLU, False), (nn.Dropout, True)])
+def test_reentrant_checkpoint_recomputes_the_random_activation_it_ran(act, compiled):
+    # The forward of a reentrant checkpoint runs under no_grad and is recomputed with grad:
+    # auto's strategy (whose layout the random numbers are drawn in) must not follow the
+    # grad mode, or the gradients are of another mask than the output returned.
+    torch.manual_seed(0)
+    model = GroupedMLP(8, 16, 4, heads=4, activation=lambda: nn.Sequential(nn.ReLU(), act()))
+    run = model
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(model)
+    x = torch.randn(32, 8, requires_grad=True)
+    torch.manual_seed(1)
+    y = checkpoint(run, x, use_reentrant=True)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(1)
+    want_y = run(x)
+    want_y.backward(gy)
+    torch.testing.assert_close(y, want_y)
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    with torch.inference_mode():
+        model(torch.randn(32, 8))  # deciding as in training runs under inference mode too

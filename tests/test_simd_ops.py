@@ -224,6 +224,46 @@ def test_disarmed_ops_refuse_and_simd_arms_them_again(native):
     native.forward(x, w, None)
 
 
+def test_a_disarm_racing_a_call_refuses_it_never_calls_a_null_kernel(native):
+    # disarm (bd_ops_clear) on one thread while another calls the ops: each call must either
+    # run or refuse. The ops once checked the forward pointer and loaded it again to call it,
+    # so a clear between the two loads called a null function (SIGSEGV). In a child process,
+    # the cache shared with this one.
+    code = textwrap.dedent(
+        """
+        import ctypes, threading, torch
+        from blockdiag import grouped_linear
+        from blockdiag.backends import _simd_ops, simd
+        grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")
+        ops = _simd_ops.ops(torch.float32)
+        assert ops is not None, _simd_ops.note()
+        kernels = [ctypes.cast(f, ctypes.c_void_p).value for f in simd._library()[0][torch.float32]]
+        done = threading.Event()
+        def flip():
+            while not done.is_set():
+                ops.library.bd_ops_clear()
+                ops.library.bd_ops_set(0, *kernels)
+        t = threading.Thread(target=flip)
+        t.start()
+        x, w, gy = torch.randn(1, 4), torch.randn(1, 4, 4), torch.randn(1, 4)
+        try:
+            for _ in range(300_000):
+                for call in (lambda: ops.forward(x, w, None), lambda: ops.backward(gy, x, w, False, True, True)):
+                    try:
+                        call()
+                    except RuntimeError as e:
+                        assert "not loaded and self-checked" in str(e), e
+        finally:
+            done.set()
+            t.join()
+        print("survived")
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the racing process", env=env)
+    assert rc == 0 and "survived" in out, f"exit status {rc}: {err[-2000:]}"
+
+
 def test_ops_that_disagree_with_ctypes_are_not_armed(native, monkeypatch):
     monkeypatch.setattr(_simd_ops, "_ARMED", {})
     monkeypatch.setattr(_simd_ops, "_WHY", {})

@@ -1625,3 +1625,25 @@ def test_jit_script_refuses_clearly(name):
             torch.jit.script(layer)
     msg = str(info.value)
     assert "blockdiag" in msg.lower() or "torch.compile" in msg, f"unclear message: {msg[:500]!r}"
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop", "bmm"])
+def test_an_exported_program_run_under_autocast_casts_as_linear_does(backend):
+    # A graph calling the ops itself never runs GroupedLinear.forward's Python cast: the ops'
+    # own autocast kernels cast, as autocast casts nn.Linear's aten::linear.
+    torch.manual_seed(0)
+    layer = blockdiag.GroupedLinear(12, 15, groups=3, backend=backend)
+    x = torch.randn(6, 12)
+    want_lin = torch.export.export(torch.nn.Linear(12, 15), (x,)).module()
+    ep = torch.export.export(layer, (x,)).module()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+        got = ep(x)
+        assert want_lin(x).dtype == torch.bfloat16
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.blockdiag.auto(x, layer.weight, layer.bias, True)
+    assert got.dtype == torch.bfloat16
+    got.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32

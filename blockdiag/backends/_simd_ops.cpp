@@ -58,14 +58,24 @@ struct Kernels {
 
 Kernels kernels[2];  // float32, float64
 
-Kernels& kernels_for(const at::Tensor& t, const char* op) {
+// The kernels of t's dtype, each pointer loaded once: bd_ops_clear may run on another thread
+// between a check and a later load of the same pointer, which would then be null. Libraries
+// are never unloaded, so a snapshot stays callable after it is cleared.
+struct KernelSet {
+  forward_fn forward;
+  grad_input_fn grad_input;
+  grad_weight_fn grad_weight;
+};
+
+KernelSet kernels_for(const at::Tensor& t, const char* op) {
   const auto dtype = t.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "blockdiag::", op, ": the kernels run float32 and float64, got ",
               dtype);
   Kernels& k = kernels[dtype == at::kFloat ? 0 : 1];
-  TORCH_CHECK(k.forward.load() != nullptr, "blockdiag::", op, ": the ", dtype,
-              " kernels are not loaded and self-checked in this process");
-  return k;
+  const KernelSet set{k.forward.load(), k.grad_input.load(), k.grad_weight.load()};
+  TORCH_CHECK(set.forward != nullptr && set.grad_input != nullptr && set.grad_weight != nullptr, "blockdiag::", op,
+              ": the ", dtype, " kernels are not loaded and self-checked in this process");
+  return set;
 }
 
 // A CPU strided tensor of dtype, without a lazy negation or conjugation, whose storage is
@@ -109,7 +119,7 @@ at::Tensor forward(const at::Tensor& x_in, const at::Tensor& weight_in, const st
   constexpr const char* op = "simd_native";
   TORCH_CHECK(x_in.dim() == 2 && weight_in.dim() == 3, "blockdiag::", op, ": input must be 2-d and weight 3-d, got ",
               x_in.sizes(), " and ", weight_in.sizes());
-  Kernels& k = kernels_for(x_in, op);
+  const KernelSet k = kernels_for(x_in, op);
   const auto dtype = x_in.scalar_type();
   const int64_t g = weight_in.size(0), o = weight_in.size(1), i = weight_in.size(2), n = x_in.size(0);
   TORCH_CHECK(x_in.size(1) == g * i && g * i > 0 && o > 0, "blockdiag::", op, ": input ", x_in.sizes(),
@@ -123,7 +133,7 @@ at::Tensor forward(const at::Tensor& x_in, const at::Tensor& weight_in, const st
     bias = operand(op, "bias", *bias_in, dtype).contiguous();
   }
   at::Tensor y = at::empty({n, g * o}, x.options());
-  ran(k.forward.load()(x.const_data_ptr(), ldx, weight.const_data_ptr(), bias.defined() ? bias.const_data_ptr() : nullptr,
+  ran(k.forward(x.const_data_ptr(), ldx, weight.const_data_ptr(), bias.defined() ? bias.const_data_ptr() : nullptr,
                        y.mutable_data_ptr(), g * o, n, g, i, o, at::get_num_threads()),
       op, "forward");
   return y;
@@ -136,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   TORCH_CHECK(gy_in.dim() == 2 && x_in.dim() == 2 && weight_in.dim() == 3, "blockdiag::", op,
               ": grad and input must be 2-d and weight 3-d, got ", gy_in.sizes(), ", ", x_in.sizes(), " and ",
               weight_in.sizes());
-  Kernels& k = kernels_for(gy_in, op);
+  const KernelSet k = kernels_for(gy_in, op);
   const auto dtype = gy_in.scalar_type();
   const int64_t g = weight_in.size(0), o = weight_in.size(1), i = weight_in.size(2), n = gy_in.size(0);
   TORCH_CHECK(gy_in.size(1) == g * o && x_in.size(0) == n && x_in.size(1) == g * i && g * i > 0 && o > 0,
@@ -163,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
     }
   } else if (need_input) {
     gx = at::empty({n, g * i}, gy.options());
-    ran(k.grad_input.load()(gy.const_data_ptr(), ldg, weight.const_data_ptr(), gx.mutable_data_ptr(), g * i, n, g, i, o,
+    ran(k.grad_input(gy.const_data_ptr(), ldg, weight.const_data_ptr(), gx.mutable_data_ptr(), g * i, n, g, i, o,
                             at::get_num_threads()),
         op, "input gradient");
   }
@@ -179,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
     if (has_bias) {
       gb = at::empty({g * o}, gy.options());
     }
-    ran(k.grad_weight.load()(gy.const_data_ptr(), ldg, x.const_data_ptr(), ldx, gw.mutable_data_ptr(),
+    ran(k.grad_weight(gy.const_data_ptr(), ldg, x.const_data_ptr(), ldx, gw.mutable_data_ptr(),
                              has_bias ? gb.mutable_data_ptr() : nullptr, n, g, i, o, at::get_num_threads()),
         op, "weight gradient");
   } else if (has_bias) {

@@ -574,9 +574,38 @@ def define(entry: OpEntry) -> OpEntry:
 
     LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.fwd_op), lib=LIB)
+    register_autocast(name, entry.fwd_op)
     _register_flops(entry.fwd_op, entry.bwd_op)
     _ENTRIES[name] = entry
     return entry
+
+
+def register_autocast(name: str, op) -> None:
+    """Autocast kernels for forward op ``blockdiag::<name>``: its tensor operands cast as ``F.linear``'s.
+
+    The layers cast in Python before they call an op, but a graph that calls the op itself
+    (an exported program, a ``jit.trace``, an AOTInductor package) run under autocast reaches
+    the op with the parameters' dtype, where ``nn.Linear``'s ``aten::linear`` is cast by
+    autocast. Floating operands other than float64 are cast to the autocast dtype of the
+    device, whatever it is at the call (``torch.library.register_autocast`` fixes one dtype).
+    """
+    for device_type in ("cpu", "cuda"):
+        if not torch._C._is_autocast_available(device_type):
+            continue
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _excluded=excluded):
+            dt = torch.get_autocast_dtype(_device_type)
+            args = tuple(
+                a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dt
+                and a.dtype != torch.float64 else a
+                for a in args
+            )
+            with torch._C._ExcludeDispatchKeyGuard(_excluded):
+                return op(*args)
+
+        LIB.impl(name, kernel, key, with_keyset=True)
 
 
 def transform_forward(entry: Optional[OpEntry]) -> Forward:

@@ -56,6 +56,7 @@ from ._define import (
     fake_backward,
     forward_ad_active,
     generic_backward,
+    register_autocast,
     rows_pay,
     transform_forward,
 )
@@ -372,6 +373,7 @@ torch.library.register_fake("blockdiag::auto", _fake, lib=LIB)
 torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
 LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
+register_autocast("auto", FORWARD)
 torch.library.register_vmap("blockdiag::auto_inline", _vmap_inline, lib=LIB)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._define import LIB, _jvp, _named, _records, forward_ad_active
+from ._define import LIB, _jvp, _named, _records, forward_ad_active, register_autocast
 
 __all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
@@ -126,6 +126,7 @@ LIB.impl("fm_rows", write_rows, "CompositeExplicitAutograd")
 torch.library.register_fake("blockdiag::fm_rows", _fake, lib=LIB)
 LIB.impl("fm_rows", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::fm_rows", _vmap, lib=LIB)
+register_autocast("fm_rows", FORWARD)
 
 
 def _register_flops() -> None:

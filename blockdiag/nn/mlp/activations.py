@@ -117,3 +117,11 @@ def _act_hooked(act: nn.Module) -> bool:
 
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _random(act: nn.Module) -> bool:
+    """Whether ``act`` (or a step inside it) draws random numbers: a Dropout or RReLU in training."""
+    return any(
+        m.training and isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) and getattr(m, "p", 1.0) != 0
+        for m in act.modules()
+    )

@@ -298,6 +298,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         fn = f"{type(self).__name__}.plan"
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
+        if not torch.is_grad_enabled() and self._strategy == "auto" and self._random_acts():
+            with torch.enable_grad():  # auto decides as in training here (see _auto_strategy)
+                return self.plan(x)
         plans = self._layer_plans(x)
         if self._strategy == "layers":
             return MLPPlan("layers", "layers", "fixed by the user (strategy='layers')", layers=plans)

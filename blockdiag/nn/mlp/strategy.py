@@ -7,6 +7,7 @@ holds the model's methods that apply them, eager and traced, and :class:`MLPPlan
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,7 +20,7 @@ from ... import settings as _settings
 from ...dispatch import Plan
 from ...ops.auto import route_token, traced_routes
 from ..linear import _compile_guard
-from .activations import _act_hooked, _hooked
+from .activations import _act_hooked, _hooked, _random
 
 # How GroupedMLP runs its layers (see the class docstring): "layers" calls each layer
 # (``GroupedLinear.__call__``, so hooks, parametrizations, pruning and FSDP2 see every call,
@@ -231,6 +232,16 @@ class StrategyChoice:
                 return f"layers[{k}] has backend={layer._backend!r}, which is honoured"
         return self._chain_refusal(x)
 
+    def _random_acts(self) -> bool:
+        """Whether an activation draws random numbers now (a Dropout or RReLU in training).
+
+        Those numbers are drawn in the layout of the strategy that runs, so ``auto`` then
+        decides as in training whatever the grad mode: a reentrant checkpoint runs the forward
+        under ``no_grad`` and recomputes it with grad, and its gradients would otherwise be of
+        another mask than the output it returned.
+        """
+        return any(_random(a) for a in self._modules["activations"]._modules.values())
+
     def _auto_strategy(self, x: torch.Tensor) -> str:
         """Eager ``auto``'s per-call strategy: the checks of :meth:`_auto_context`, then the cached choice.
 
@@ -251,7 +262,10 @@ class StrategyChoice:
         if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
             return "layers"
         dt = x.dtype
-        grad = torch.is_grad_enabled()
+        acts = tuple(self._modules["activations"]._modules.values())
+        # Under no_grad only (a walk over the activations' modules): see _random_acts.
+        random_acts = not torch.is_grad_enabled() and self._random_acts()
+        grad = torch.is_grad_enabled() or random_acts
         rg = grad and x.requires_grad
         mask, bit = 0, 1  # bit k: autograd records layer k's product
         dev = None
@@ -277,7 +291,7 @@ class StrategyChoice:
             if rg:
                 mask |= bit
             bit <<= 1
-        for act in self._modules["activations"]._modules.values():
+        for act in acts:
             if _act_hooked(act):
                 return "layers"
         # The epoch (blockdiag.dispatch's: settings, profile, registry, thread count) moves
@@ -287,10 +301,11 @@ class StrategyChoice:
         chosen = self._decisions.get(key)
         if chosen is not None:
             return chosen
-        if mask and self._eager_heads_pay(x):
-            chosen = "heads"
-        else:
-            chosen = "fm_chain" if self._measured_choice(x)[0] else "layers"
+        with torch.enable_grad() if random_acts else contextlib.nullcontext():
+            if mask and self._eager_heads_pay(x):
+                chosen = "heads"
+            else:
+                chosen = "fm_chain" if self._measured_choice(x)[0] else "layers"
         if ep == _settings.epoch():  # kept only if the epoch did not move while planning
             if len(self._decisions) > 256:
                 self._decisions.clear()
@@ -360,7 +375,9 @@ class StrategyChoice:
         if not _concrete(rows):  # a symbolic batch: the graph serves every batch size
             return x.device.type in CHAIN_WHEREVER_ALLOWED
         _compile_guard(_settings.generation, _settings._local.key)
-        return _traced_measured_choice(self, rows, torch.is_grad_enabled(), x.requires_grad)
+        # Decided as in training where a random activation runs (see _auto_strategy).
+        grad = torch.is_grad_enabled() or self._random_acts()
+        return _traced_measured_choice(self, rows, grad, x.requires_grad)
 
     def _layer_plans(self, x: torch.Tensor) -> tuple[Plan, ...]:
         """Each layer's plan for the input it would get (``GroupedLinear.plan`` on stand-ins)."""
