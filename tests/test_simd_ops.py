@@ -247,7 +247,7 @@ def test_a_disarm_racing_a_call_refuses_it_never_calls_a_null_kernel(native):
         t.start()
         x, w, gy = torch.randn(1, 4), torch.randn(1, 4, 4), torch.randn(1, 4)
         try:
-            for _ in range(300_000):
+            for _ in range(50_000):
                 for call in (lambda: ops.forward(x, w, None), lambda: ops.backward(gy, x, w, False, True, True)):
                     try:
                         call()
