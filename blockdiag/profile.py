@@ -83,7 +83,7 @@ class ProfileWarning(UserWarning):
 def default_profile_path() -> Path:
     """``$BLOCKDIAG_PROFILE``, else ``$XDG_CACHE_HOME/blockdiag/profile.json`` (``~/.cache``)."""
     env = os.environ.get("BLOCKDIAG_PROFILE")
-    if env:
+    if env and env.strip():  # blank as unset, as every BLOCKDIAG_* variable
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):  # unset, empty or relative: the XDG spec says to ignore it
@@ -537,7 +537,9 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
     """
     p = Path(path or default_profile_path())
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
+        # The directory the file is written in: a symbolic link's target's, which the lock
+        # file and the write (both through the link) need.
+        Path(os.path.realpath(p)).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
     try:

@@ -254,7 +254,7 @@ def _explicit(name: str) -> tuple[Any, str] | None:
         return _global[name], "set_config()"
     env, _ = _ENV[name]
     raw = os.environ.get(env)
-    if raw not in (None, ""):
+    if raw is not None and raw.strip():  # blank as unset
         return _validate(name, raw, f"environment variable {env}"), f"${env}"
     return None
 

@@ -6,7 +6,9 @@ the value named. Cases that used to crash or allocate run in a subprocess with a
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -87,12 +89,13 @@ def test_max_gflop_leaves_the_huge_points_out_of_the_estimate(monkeypatch, tmp_p
         (["--lr", "nan"], ("--lr", "got nan")),
         (["--lr", "-1"], ("--lr", "got -1")),
         (["--lr", "inf"], ("--lr", "got inf")),
+        (["--lr", "1e38"], ("--lr", "at most 1e6", "got 1e38")),
         (["--seed", "1e23"], ("--seed", "'1e23'")),
         (["--seed", str(10**23)], ("--seed", str(10**23))),
         (["--seed", "-1"], ("--seed", "got -1")),
         (["--heads", "1e8"], ("--heads", "'1e8'")),
     ],
-    ids=["lr-nan", "lr-negative", "lr-inf", "seed-float", "seed-huge", "seed-negative", "heads-float"],
+    ids=["lr-nan", "lr-negative", "lr-inf", "lr-huge", "seed-float", "seed-huge", "seed-negative", "heads-float"],
 )
 def test_demo_arguments(args, expected, capsys):
     _refused(["demo", *args], *expected, capsys=capsys)
@@ -416,3 +419,32 @@ def test_an_unknown_option_is_named_by_its_command(cmd, capsys):
     required = ["--batch", "2", "--groups", "2", "--block", "2x2"] if cmd == "explain" else []
     _refused([cmd, *required, "--no-such-option", "7"], f"blockdiag {cmd}: error: unrecognized arguments: --no-such-option 7",
              f"see blockdiag {cmd} --help", capsys=capsys)
+
+
+def test_tune_writes_through_a_symlink_whose_target_directory_is_missing(tmp_path, capsys):
+    # The check before the run accepted the link (the profile's directories are made), but
+    # save_entry made the link's own directory, not its target's: the run measured the grid,
+    # then failed on the lock file with nothing written.
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "newdir" / "profile.json")
+    rc = main(["tune", *TINY, "--mode", "forward", "--backends", "loop", "--profile", str(link)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert link.is_symlink() and (tmp_path / "newdir" / "profile.json").is_file()
+
+
+def test_bench_whose_stdout_reader_went_away_still_writes_json_without_a_traceback(tmp_path):
+    # `blockdiag bench --json r.json | head`: printing the table raised BrokenPipeError once
+    # stdout's buffer filled, a traceback, and the run's --json was never written.
+    out = tmp_path / "r.json"
+    batches = ",".join(str(b) for b in range(1, 81))  # a table larger than stdout's buffer
+    args = [sys.executable, "-m", "blockdiag", "bench", "--batch", batches, "--groups", "2", "--blocks", "2x2",
+            "--repeat", "1", "--min-time", "0", "--mode", "forward", "--backends", "loop", "--no-baselines",
+            "--no-memory", "--refine", "0", "--json", str(out)]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    p.stdout.close()  # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=300)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert rc == 141, (rc, err)
+    assert json.loads(out.read_text())["rows"]

@@ -782,3 +782,51 @@ def test_grouped_mlp_backend_reads_its_layers():
     assert model.backend == "mixed" and "backend='mixed'" in repr(model)
     model.backend = "auto"
     assert model.backend == "auto" and {layer.backend for layer in model.layers} == {"auto"}
+
+
+def test_from_heads_refuses_a_sequential_subclass_with_its_own_forward():
+    # Converted silently: the grouped model computed the plain Sequential, not the head's forward.
+    class Scaled(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    heads = nn.ModuleList(Scaled(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2))
+    with pytest.raises(BlockDiagError, match=r"heads\[0\] is a Scaled, whose own forward is not nn.Sequential's"):
+        GroupedMLP.from_heads(heads)
+
+    class Plain(nn.Sequential):
+        pass
+
+    GroupedMLP.from_heads(nn.ModuleList(Plain(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)))
+
+
+def test_conversions_refuse_tied_parameters():
+    # A Linear shared by two heads (or one parameter tied between them) became two independent
+    # copies, which then trained apart.
+    lin = nn.Linear(3, 2)
+    with pytest.raises(BlockDiagError, match=r"linears\[1\]\.weight is the same parameter as linears\[0\]\.weight"):
+        GroupedLinear.from_linears([lin, lin])
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    b.bias = a.bias
+    with pytest.raises(BlockDiagError, match=r"linears\[1\]\.bias is the same parameter as linears\[0\]\.bias"):
+        GroupedLinear.from_linears([a, b])
+    heads = _three_heads()
+    heads[2][0] = heads[0][0]
+    with pytest.raises(BlockDiagError, match=r"heads\[2\]\[0\]\.weight is the same parameter as heads\[0\]\[0\]\.weight"):
+        GroupedMLP.from_heads(heads)
+    masked = [blockdiag.mask_block_diagonal_(nn.Linear(4, 4), 2) for _ in range(3)]
+    GroupedLinear.from_linears(masked)  # computed weights, distinct originals: not tied
+
+
+def test_from_heads_names_a_missing_bias_as_such():
+    heads = _three_heads()
+    heads[1][0] = nn.Linear(heads[0][0].in_features, heads[0][0].out_features, bias=False)
+    with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\] is Linear with weight \(\d+, \d+\) bias=False"):
+        GroupedMLP.from_heads(heads)
+
+
+def test_from_heads_refuses_linears_that_do_not_chain():
+    # A raw RuntimeError from a reshape ("shape '[2, 2, 4]' is invalid for input of size 20").
+    heads = [nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(5, 2)) for _ in range(2)]
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\] takes 5 inputs .* but heads\[0\]\[0\] gives 4"):
+        GroupedMLP.from_heads(heads)

@@ -147,6 +147,10 @@ def test_default_path_follows_env(monkeypatch, tmp_path):
     assert profile.default_profile_path() == tmp_path / "blockdiag" / "profile.json"
     monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "x.json"))
     assert profile.default_profile_path() == tmp_path / "x.json"
+    # Blank is unset, as for every BLOCKDIAG_* variable: tune wrote a profile named " ".
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", " ")
+    assert profile.default_profile_path() == tmp_path / "blockdiag" / "profile.json"
+    assert blockdiag.settings._explicit("profile") is None
 
 
 def test_builtin_table_is_valid():

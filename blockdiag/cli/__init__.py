@@ -242,3 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"blockdiag {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout's reader went away (``| head``): not an error of ours, and no traceback. What
+        # is still buffered for stdout cannot be written: point it at devnull, so that the
+        # interpreter's flush at exit does not raise again.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a shell reports a command ended by SIGPIPE

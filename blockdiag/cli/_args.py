@@ -39,7 +39,8 @@ def _seed(s: str) -> int:
 
 
 def _learning_rate(s: str) -> float:
-    return _scalar(s, float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+    # Bounded: optimizers turn a huge rate into overflow errors of their own, mid-run.
+    return _scalar(s, float, lambda v: 0 < v <= 1e6, "a positive number at most 1e6")
 
 
 def _int_list(s: str) -> tuple[int, ...]:

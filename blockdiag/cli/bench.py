@@ -57,24 +57,10 @@ def _print_slower_points(rows: Sequence[dict], names: Sequence[str]) -> None:
                   f"{r['block_in']}x{r['block_out']} {n} {v:.3f}, {verdict}")
 
 
-def _bench_compiled(args, grid, modes) -> int:
-    """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
-    from .. import profile as prof
-    from ..tuning import COMPILED_CONTROL, COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
+def _print_compiled_table(args, rows: Sequence[dict], bd: list, summary: dict) -> None:
+    """``bench --compiled``'s table, its failures and the summary per mode (on stdout)."""
+    from ..tuning import COMPILED_CONTROL, COMPILED_PEERS
 
-    bd = ["auto", *dict.fromkeys(args.backends or ())]
-    # Per point and model: each blockdiag module eager and compiled, the peers and the control.
-    points = _point_costs(grid, modes, args.max_gflop) * len(args.compiled)
-    steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS) + 1))
-    # The loop of heads, eager and compiled, calls torch once per group.
-    loops = 2 * _looping(n for n in bd if n != "auto") + (0 if args.no_baselines else 2)
-    _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
-              fmt.estimate_line(points, steps, "modules", args.repeat, args.min_time, args.device,
-                                "compiling adds seconds to minutes per point", loops=loops))
-    rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
-                          backends=args.backends, rounds=args.repeat, min_time=args.min_time,
-                          baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
-                          refine=args.refine, compiler=args.compiler, progress=sys.stderr)
     peers = [] if args.no_baselines else [*(p.removesuffix("_compiled") for p in COMPILED_PEERS), COMPILED_CONTROL]
     cols = [c for n in (*bd, *peers) for c in (n, f"{n}_compiled")]
     timed = [r for r in rows if "times_us" in r]
@@ -115,7 +101,6 @@ def _bench_compiled(args, grid, modes) -> int:
                   f"{c}: {why}")
     _print_faults(rows)
     _print_slower_points(rows, bd)
-    summary = summarize_compiled(rows)
     for mode, per in summary.items():
         for key, s in per.items():
             print(fmt.summary_lines(f"{mode} {key}", s, fmt.COMPILED_SUMMARY,
@@ -123,16 +108,85 @@ def _bench_compiled(args, grid, modes) -> int:
             if "targets_met" in s:
                 met = s["targets_met"]
                 print("  issue 21's targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in met.items()))
+
+
+def _bench_compiled(args, grid, modes) -> int:
+    """``bench --compiled``: the compiled models against the compiled peers (see ``bench_compiled``)."""
+    from .. import profile as prof
+    from ..tuning import COMPILED_PEERS, allocator_env, bench_compiled, summarize_compiled
+
+    bd = ["auto", *dict.fromkeys(args.backends or ())]
+    # Per point and model: each blockdiag module eager and compiled, the peers and the control.
+    points = _point_costs(grid, modes, args.max_gflop) * len(args.compiled)
+    steps = 2 * (len(bd) + (0 if args.no_baselines else len(COMPILED_PEERS) + 1))
+    # The loop of heads, eager and compiled, calls torch once per group.
+    loops = 2 * _looping(n for n in bd if n != "auto") + (0 if args.no_baselines else 2)
+    _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
+              fmt.estimate_line(points, steps, "modules", args.repeat, args.min_time, args.device,
+                                "compiling adds seconds to minutes per point", loops=loops))
+    rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
+                          backends=args.backends, rounds=args.repeat, min_time=args.min_time,
+                          baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
+                          refine=args.refine, compiler=args.compiler, progress=sys.stderr)
+    summary = summarize_compiled(rows)
+    # The results file first if printing fails (see cmd_bench).
+    try:
+        _print_compiled_table(args, rows, bd, summary)
+    finally:
+        if args.json:
+            out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+                   "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                   "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
+                   "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
+                   "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
+            with _writing("--json", args.json):
+                prof.write_json_atomic(args.json, out)
     if args.json:
-        out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
-               "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-               "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
-               "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
-               "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-        with _writing("--json", args.json):
-            prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0
+
+
+def _print_table(args, rows: Sequence[dict], summary: dict) -> None:
+    """``bench``'s table, the notes on its points and the summary per mode (on stdout)."""
+    names_ = sorted({n for r in rows for n in r.get("times_us", {})})
+    timed = [r for r in rows if "skipped_point" not in r]
+    # One unit per column, picked from its values: ms when its largest time reaches 10 ms.
+    units = {n: fmt.unit(r["times_us"].get(n) for r in timed) for n in names_}
+    units["auto"] = fmt.unit(r["auto_us"] for r in timed)
+    print(f"times in the unit of their column (us or ms), {args.stat} of {args.repeat} interleaved rounds; "
+          "a/best: auto over the fastest backend; a/forc: auto over its choice forced by name; a/kern: auto "
+          "over its choice's bare kernel (no dispatch); %ideal: the ideal "
+          "GEMM's time over auto's; xloop, xvmap: auto's speed-up over the nn.Linear loop and vmap")
+    head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n + ' ' + units[n]:>11s}" for n in names_)
+    head += (f" {'auto ' + units['auto']:>11s} {'choice':>11s} {'a/best':>6s} {'a/forc':>6s} {'a/kern':>6s} {'%ideal':>6s} "
+             f"{'xloop':>6s} {'xvmap':>6s}")
+    # Under a tuning profile: the built-in table's choice and its forced time over the fastest.
+    builtin = any("builtin_choice" in r for r in rows)
+    if builtin:
+        head += f" {'builtin':>11s} {'b/best':>6s}"
+    print(head)
+    for r in rows:
+        lead = f"{r['mode']:7s} {r['batch']:5d} {r['groups']:4d} {str(r['block_in']) + 'x' + str(r['block_out']):>8s} "
+        if "skipped_point" in r:
+            print(lead + f"skipped: {r['skipped_point']}")
+            continue
+        t = r["times_us"]
+        bl = r.get("baselines_us", {})
+        xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
+        xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
+        print(lead + " ".join(f"{fmt.in_unit(t.get(n), units[n]):>11s}" for n in names_)
+              + f" {fmt.in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {fmt.ratio(r['auto_over_fastest'], 6)}"
+              + (f" {r['auto_over_choice']:6.2f}" if "auto_over_choice" in r else f" {'-':>6s}")
+              + f" {r['auto_over_kernel']:6.2f}"
+              + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
+              + (_builtin_columns(r) if builtin else ""))
+    skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
+    if skipped:
+        print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
+    _print_faults(rows)
+    _print_beyond_margin(rows)
+    for mode, s in summary.items():
+        print(fmt.summary_lines(mode, s))
 
 
 def cmd_bench(args) -> int:
@@ -178,52 +232,19 @@ def cmd_bench(args) -> int:
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
                      stat=args.stat, refine=args.refine, progress=sys.stderr)
-    names_ = sorted({n for r in rows for n in r.get("times_us", {})})
-    timed = [r for r in rows if "skipped_point" not in r]
-    # One unit per column, picked from its values: ms when its largest time reaches 10 ms.
-    units = {n: fmt.unit(r["times_us"].get(n) for r in timed) for n in names_}
-    units["auto"] = fmt.unit(r["auto_us"] for r in timed)
-    print(f"times in the unit of their column (us or ms), {args.stat} of {args.repeat} interleaved rounds; "
-          "a/best: auto over the fastest backend; a/forc: auto over its choice forced by name; a/kern: auto "
-          "over its choice's bare kernel (no dispatch); %ideal: the ideal "
-          "GEMM's time over auto's; xloop, xvmap: auto's speed-up over the nn.Linear loop and vmap")
-    head = f"{'mode':7s} {'B':>5s} {'G':>4s} {'block':>8s} " + " ".join(f"{n + ' ' + units[n]:>11s}" for n in names_)
-    head += (f" {'auto ' + units['auto']:>11s} {'choice':>11s} {'a/best':>6s} {'a/forc':>6s} {'a/kern':>6s} {'%ideal':>6s} "
-             f"{'xloop':>6s} {'xvmap':>6s}")
-    # Under a tuning profile: the built-in table's choice and its forced time over the fastest.
-    builtin = any("builtin_choice" in r for r in rows)
-    if builtin:
-        head += f" {'builtin':>11s} {'b/best':>6s}"
-    print(head)
-    for r in rows:
-        lead = f"{r['mode']:7s} {r['batch']:5d} {r['groups']:4d} {str(r['block_in']) + 'x' + str(r['block_out']):>8s} "
-        if "skipped_point" in r:
-            print(lead + f"skipped: {r['skipped_point']}")
-            continue
-        t = r["times_us"]
-        bl = r.get("baselines_us", {})
-        xl = f"{bl['nn_linear_loop'] / r['auto_us']:6.2f}" if "nn_linear_loop" in bl else f"{'-':>6s}"
-        xv = f"{bl['vmap'] / r['auto_us']:6.2f}" if "vmap" in bl else f"{'-':>6s}"
-        print(lead + " ".join(f"{fmt.in_unit(t.get(n), units[n]):>11s}" for n in names_)
-              + f" {fmt.in_unit(r['auto_us'], units['auto']):>11s} {r['auto']:>11s} {fmt.ratio(r['auto_over_fastest'], 6)}"
-              + (f" {r['auto_over_choice']:6.2f}" if "auto_over_choice" in r else f" {'-':>6s}")
-              + f" {r['auto_over_kernel']:6.2f}"
-              + f" {100 * r['fraction_of_ideal']:5.0f}% {xl} {xv}"
-              + (_builtin_columns(r) if builtin else ""))
-    skipped = sorted({f"{n}: {why}" for r in rows for n, why in r.get("skipped", {}).items() if "skipped" in why})
-    if skipped:
-        print(f"not measured at some points: {len(skipped)} reasons, e.g. {skipped[0]}")
-    _print_faults(rows)
-    _print_beyond_margin(rows)
     summary = summarize(rows)
-    for mode, s in summary.items():
-        print(fmt.summary_lines(mode, s))
+    # The results file first if printing fails (stdout piped into head, a full disk): a
+    # closed pipe lost the whole run's --json.
+    try:
+        _print_table(args, rows, summary)
+    finally:
+        if args.json:
+            out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+                   "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                   "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
+                   "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
+            with _writing("--json", args.json):
+                prof.write_json_atomic(args.json, out)
     if args.json:
-        out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
-               "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-               "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
-               "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-        with _writing("--json", args.json):
-            prof.write_json_atomic(args.json, out)
         print(f"wrote {args.json}")
     return 0

@@ -59,6 +59,24 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
     check(fn, not hooked, f"{where} has forward or backward hooks, which the converted module would not run")
 
 
+def _refuse_shared_parameters(fn: str, named: list) -> None:
+    """Refuse Linears that share a parameter (weight tying, one module twice): the grouped
+    layer holds one copy per group, which would then train apart."""
+    seen: dict = {}  # id -> (name, tensor): the tensor kept alive, so that its id is not reused
+    for where, lin in named:
+        for pname in ("weight", "bias"):
+            # A parametrized parameter is computed per access: its original is what is shared.
+            plist = getattr(getattr(lin, "parametrizations", None), pname, None)
+            t = plist.original if plist is not None and hasattr(plist, "original") else getattr(lin, pname, None)
+            if t is None:
+                continue
+            other = seen.setdefault(id(t), (f"{where}.{pname}", t))[0]
+            check(fn, other == f"{where}.{pname}",
+                  f"{where}.{pname} is the same parameter as {other} (tied weights): the grouped "
+                  "module holds one copy per group, so they would no longer be tied; untie them first "
+                  "(copy.deepcopy each, to start the groups from the same values)")
+
+
 def _requires_grad(lin: nn.Module) -> dict:
     return {n: t.requires_grad for n, t in (("weight", lin.weight), ("bias", lin.bias)) if t is not None}
 
@@ -495,6 +513,7 @@ class GroupedLinear(nn.Module):
             check(fn, frozen == _requires_grad(first),
                   f"linears[{k}] has requires_grad {frozen} but linears[0] has {_requires_grad(first)}: "
                   "the grouped layer holds one parameter for every group")
+        _refuse_shared_parameters(fn, [(f"linears[{k}]", lin) for k, lin in enumerate(linears)])
         g = len(linears)
         o, i = first.weight.shape
         layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,

@@ -11,7 +11,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from ..._checks import check
 from ...ops._sharding import refuse_sharded
-from ..linear import _copy_state, _requires_grad, check_plain_linear
+from ..linear import _copy_state, _refuse_shared_parameters, _requires_grad, check_plain_linear
 from .activations import _check_activation, _hooked
 
 
@@ -35,6 +35,12 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
         check(fn, mods is not None, f"heads[{h}] must be an nn.Sequential, got {type(head).__name__}")
         check(
             fn,
+            type(head).forward is nn.Sequential.forward,
+            f"heads[{h}] is a {type(head).__name__}, whose own forward is not nn.Sequential's: converting "
+            "copies only its modules, so the grouped model would compute something else",
+        )
+        check(
+            fn,
             len(mods) == len(ref),
             f"heads[{h}] has {len(mods)} modules but heads[0] has {len(ref)}",
         )
@@ -53,9 +59,6 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                   f"heads[{h}][{k}] is in {_mode(m)} mode but heads[0][{k}] is in {_mode(r)} mode")
             if isinstance(r, nn.Linear):
                 check_plain_linear(fn, m, f"heads[{h}][{k}]")
-                check(fn, _requires_grad(m) == _requires_grad(r),
-                      f"heads[{h}][{k}] has requires_grad {_requires_grad(m)} but heads[0][{k}] has "
-                      f"{_requires_grad(r)}: each grouped layer holds one parameter for every head")
                 check(
                     fn,
                     m.weight.shape == r.weight.shape and (m.bias is None) == (r.bias is None),
@@ -63,6 +66,9 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                     f"bias={m.bias is not None}, but heads[0][{k}] has weight "
                     f"{tuple(r.weight.shape)} bias={r.bias is not None}",
                 )
+                check(fn, _requires_grad(m) == _requires_grad(r),
+                      f"heads[{h}][{k}] has requires_grad {_requires_grad(m)} but heads[0][{k}] has "
+                      f"{_requires_grad(r)}: each grouped layer holds one parameter for every head")
                 check(
                     fn,
                     m.weight.device == r.weight.device and m.weight.dtype == r.weight.dtype,
@@ -76,9 +82,15 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                       f"{'' if hooked is m else ' on a module inside it'}, which the grouped model would not run")
                 why = _activation_differs(m, r)
                 check(fn, why is None, f"heads[{h}][{k}] is {m!r} but heads[0][{k}] is {r!r}{why or ''}")
+    _refuse_shared_parameters(fn, [(f"heads[{h}][{k}]", list(head)[k]) for h, head in enumerate(heads) for k in at])
     lins0 = [ref[k] for k in at]
+    for a, b in zip(at, at[1:]):
+        # Sizes from the weights (what the head computes), each Linear fed by the one before.
+        check(fn, ref[b].weight.shape[1] == ref[a].weight.shape[0],
+              f"heads[0][{b}] takes {ref[b].weight.shape[1]} inputs (weight {tuple(ref[b].weight.shape)}) but "
+              f"heads[0][{a}] gives {ref[a].weight.shape[0]} (weight {tuple(ref[a].weight.shape)}): the head cannot run")
     bias = [lin.bias is not None for lin in lins0]
-    sizes = [lins0[0].in_features] + [lin.out_features for lin in lins0]
+    sizes = [lins0[0].weight.shape[1]] + [lin.weight.shape[0] for lin in lins0]
     w0 = lins0[0].weight
     model = cls(
         sizes[0], sizes[1:-1], sizes[-1], len(heads),
