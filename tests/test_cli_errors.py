@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -448,3 +450,25 @@ def test_bench_whose_stdout_reader_went_away_still_writes_json_without_a_traceba
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert rc == 141, (rc, err)
     assert json.loads(out.read_text())["rows"]
+
+
+def test_sigterm_while_writing_leaves_the_old_file_and_no_temporary(tmp_path):
+    # Python's default SIGTERM ended the process inside the write, leaving r.json.XXXX.tmp.
+    out = tmp_path / "r.json"
+    out.write_text('{"old": true}')
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from blockdiag.cli import main
+        replace = os.replace
+        def terminated_replace(a, b):  # the signal arrives as the file is about to be replaced
+            os.kill(os.getpid(), signal.SIGTERM)
+            replace(a, b)
+        os.replace = terminated_replace
+        sys.exit(main(["bench", "--batch", "2", "--groups", "2", "--blocks", "2x2", "--repeat", "1",
+                       "--min-time", "0", "--mode", "forward", "--backends", "loop", "--no-baselines",
+                       "--no-memory", "--refine", "0", "--json", {str(out)!r}]))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-3000:])
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["r.json"] and json.loads(out.read_text()) == {"old": True}

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
+import threading
 import warnings
 from typing import Sequence
 
@@ -216,6 +218,29 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
     return sub.choices[command]
 
 
+@contextlib.contextmanager
+def _terminate_cleanly():
+    """SIGTERM (``kill``, a job scheduler's time limit) as an exit that unwinds.
+
+    Python's default for SIGTERM ends the process where it stands, which leaves a results or
+    profile file's temporary twin behind; as ``SystemExit`` the writes' cleanup runs (the
+    file replaced stays whole either way) and the status is the shell's 128 + 15. Only the
+    main thread can set a handler; the previous one is restored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``blockdiag`` console script.
 
@@ -233,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # whose --help lists the options the user meant.
         _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        with _quiet_torch_betas(), _one_line_warnings(args.command):
+        with _quiet_torch_betas(), _one_line_warnings(args.command), _terminate_cleanly():
             return args.func(args)
     except BlockDiagError as e:
         message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
