@@ -215,6 +215,13 @@ def test_an_unknown_compiler_is_refused_before_the_run(monkeypatch, capsys):
     _refused(["bench", *TINY, "--compiled", "--compiler", "nonsense"], "--compiler", "'nonsense'", capsys=capsys)
 
 
+def test_a_compiler_without_compiled_is_refused(monkeypatch, capsys):
+    # It was silently ignored: the run timed eager backends only.
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["bench", *TINY, "--compiler", "aot_eager"], "--compiler aot_eager applies to --compiled runs only",
+             capsys=capsys)
+
+
 def test_a_library_error_over_several_lines_is_printed_as_one(monkeypatch, capsys):
     from blockdiag import BlockDiagError, cli
 

@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dynamo reset between points), compile time excluded; a method that fails to compile "
                         "or differs from eager is reported in its row. --backends adds blockdiag modules "
                         "with those backends forced (default: auto only); no peak memory is recorded")
-    b.add_argument("--compiler", default="inductor", metavar="BACKEND",
+    b.add_argument("--compiler", default=None, metavar="BACKEND",
                    help="torch.compile's backend for --compiled (default inductor; aot_eager traces the "
                         "same graphs without code generation, to find failures fast)")
     # None: both, or train with --compiled (cmd_bench resolves it).

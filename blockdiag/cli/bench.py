@@ -201,7 +201,10 @@ def cmd_bench(args) -> int:
     read = args.profile if args.profile is not None else str(prof.default_profile_path())
     _check_distinct({"--profile" if args.profile is not None else "the profile read": read, "--json": args.json})
     if args.compiled:
+        args.compiler = args.compiler or "inductor"
         _check_compiler(args.compiler)
+    elif args.compiler is not None:  # it would be silently ignored
+        raise BlockDiagError(f"--compiler {args.compiler} applies to --compiled runs only")
     grid = _grid(args, "targets")
     _check_grid_memory(grid, ("train",) if args.compiled or args.mode != "forward" else ("forward",),
                        args.dtype, args.max_gflop, baselines=not args.no_baselines)
