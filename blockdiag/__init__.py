@@ -33,6 +33,7 @@ from .construct import (
 from .dispatch import Candidate, Plan, choose
 from .masked import mask_block_diagonal_, remove_block_diagonal_mask_
 from .nn import GroupedLinear, GroupedMLP, grouped_linear
+from .nn.mlp import MLPPlan
 from .profile import ProfileWarning
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "Candidate",
     "GroupedLinear",
     "GroupedMLP",
+    "MLPPlan",
     "Plan",
     "Problem",
     "ProfileWarning",

@@ -43,10 +43,6 @@ class BlockLayout:
         """Fraction of the full matrix inside the blocks: ``1 / groups``."""
         return 1.0 / self.groups
 
-    def transposed(self) -> "BlockLayout":
-        """The layout of the transposed matrix."""
-        return BlockLayout(self.groups, self.block_in, self.block_out)
-
     def csr_indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(crow_indices, col_indices)`` for CSR whose values are ``blocks.reshape(-1)``."""
         return _csr_indices(self.groups, self.block_out, self.block_in, _dev(device))

@@ -647,7 +647,7 @@ def test_bench_compiled_json_and_failures_recorded_per_row(tmp_path, capsys, mon
     printed = capsys.readouterr().out
     assert "c/eager" in printed and "c/peer" in printed and "ctl c/e" in printed and "wrong" in printed
     assert "failed: train linear B=4 G=3 3x2 vmap_compiled: RuntimeError: backend='x' raised: boom" in printed
-    assert "\ntrain all:\n" in printed and "issue 21's targets:" in printed.split("\ntrain all:\n")[1]
+    assert "\ntrain all:\n" in printed and "the project's compiled-mode targets:" in printed.split("\ntrain all:\n")[1]
     doc = json.loads(out_json.read_text())
     assert doc["compiled"] == {"models": ["linear", "mlp"], "compiler": "aot_eager", "dynamic": False}
     rows = doc["rows"]

@@ -15,7 +15,7 @@ import blockdiag
 from blockdiag import BlockDiagError, Problem, choose, dispatch, profile
 from blockdiag.backends import Backend, _registry, names
 from blockdiag.backends._registry import FLOATS
-from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, nearest_measurements, plan_for
+from blockdiag.dispatch import FALLBACK_ORDER, NEIGHBOURS, blended_times, candidates, nearest_measurements, plan_for
 from blockdiag.testing import reference_loop, tolerances
 
 from _params import backend_spy
@@ -577,3 +577,27 @@ def test_one_group_auto_matches_the_reference():
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight[0], layer.bias))
     y.sum().backward()
     assert layer.weight.grad.shape == layer.weight.shape
+
+
+@pytest.fixture(autouse=True)
+def _no_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "profile.json"))
+    blockdiag.profile.clear_cache()
+
+
+def test_dense_max_groups_is_inclusive():
+    # "the dense block-diagonal GEMM is a candidate only up to this many groups"
+    p = Problem(256, 4, 10, 10)
+    with blockdiag.config(dense_max_groups=4, dense_max_elements=10**9):
+        assert "dense" in candidates(p)
+    with blockdiag.config(dense_max_groups=3, dense_max_elements=10**9):
+        assert "dense" not in candidates(p)
+
+
+def test_dense_max_elements_is_inclusive():
+    p = Problem(256, 4, 10, 10)
+    assert p.dense_elements == 1600
+    with blockdiag.config(dense_max_groups=64, dense_max_elements=1600):
+        assert "dense" in candidates(p)
+    with blockdiag.config(dense_max_groups=64, dense_max_elements=1599):
+        assert "dense" not in candidates(p)

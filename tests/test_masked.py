@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from blockdiag import BlockDiagError, block_diag_mask, mask_block_diagonal_, remove_block_diagonal_mask_
 
@@ -409,3 +410,33 @@ def test_a_mask_of_another_shape_is_refused_naming_both():
     with pytest.raises(BlockDiagError, match=r"weight of shape \(9, 6\) does not fit 3 blocks of shape \(2, 2\), "
                                               r"which make a weight of shape \(6, 6\)"):
         nn.utils.parametrize.register_parametrization(nn.Linear(6, 9), "weight", BlockDiagonalMask(3, (2, 2)))
+
+
+def _write_every_parameter(module):
+    with torch.no_grad():
+        for p in module.parameters():  # includes parametrizations.weight.original
+            p.fill_(1.0)
+
+
+def test_state_dict_stores_the_masked_weight_even_after_original_was_written():
+    lin = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    _write_every_parameter(lin)
+    sd = lin.state_dict()
+    torch.testing.assert_close(sd["weight"], lin.weight.detach(), rtol=0, atol=0)
+    other = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    other.load_state_dict(sd)  # a checkpoint of a masked layer loads into a masked layer
+    torch.testing.assert_close(other.weight, lin.weight, rtol=0, atol=0)
+
+
+class _Scale2(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_removing_the_mask_under_a_stacked_parametrization_keeps_weight_after_original_was_written():
+    lin = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    parametrize.register_parametrization(lin, "weight", _Scale2())
+    _write_every_parameter(lin)
+    before = lin.weight.detach().clone()
+    remove_block_diagonal_mask_(lin)
+    torch.testing.assert_close(lin.weight.detach(), before, rtol=0, atol=0)  # "weight is unchanged"

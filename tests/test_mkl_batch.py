@@ -141,3 +141,18 @@ def _penalty_through_auto():
     want = penalty(reference_loop)
     for a, c in zip(got, want):
         torch.testing.assert_close(a, c)
+
+
+def test_gemm_refuses_an_operand_one_element_short():
+    why = get("mkl_batch").unavailable_reason()
+    if why:
+        pytest.skip(why)
+    w, y = torch.randn(2, 3, 3), torch.empty(4, 6)
+    # The forward's GEMM: A = x [4, 2*3] read as 2 groups of 4x3, 3 apart, leading dimension 6:
+    # it reaches (2 - 1) * 3 + (4 - 1) * 6 + 3 = 24 elements.
+    def gemm(a):
+        return mkl_batch._gemm(111, 112, 4, 3, 3, a, 3, 6, w, 9, 3, y, 3, 6, 2)
+
+    gemm(torch.randn(24))  # exactly enough
+    with pytest.raises(BlockDiagError, match="would reach 24"):
+        gemm(torch.randn(23))  # one element short: MKL would read past the storage

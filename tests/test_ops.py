@@ -536,3 +536,12 @@ def test_gradcheck_float64(name):
     else:
         with pytest.raises(BlockDiagError, match=name):
             torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+
+
+@pytest.mark.parametrize("name", ["csr", "bsr"])
+def test_a_dtype_the_backend_declines_is_refused_after_another_dtype_of_the_same_shape_ran(name):
+    op = getattr(torch.ops.blockdiag, name)
+    x, w = torch.randn(4, 6), torch.randn(2, 3, 3)
+    op(x, w, None)  # float32 of this shape: validated, and remembered
+    with pytest.raises(BlockDiagError, match="does not support float16"):
+        op(x.half(), w.half(), None)  # not torch's NotImplementedError from inside the kernel

@@ -305,3 +305,65 @@ def test_the_old_names_read_the_one_epoch():
     # profile.generation) keep working: the token is the epoch.
     assert st.token is st.epoch
     assert profile.generation == 0
+
+
+@pytest.mark.parametrize("how", ["pop", "popitem"])
+def test_a_backend_popped_from_the_registry_is_no_longer_planned(how):
+    loop = _registry.get("loop")
+    _registry.register(dataclasses.replace(loop, name="loop_popped"))  # the last entry
+    try:
+        p = Problem(8, 2, 3, 3)
+        assert cached_plan("loop_popped", p).backend == "loop_popped"  # now cached
+        g = st.generation
+        if how == "pop":
+            _registry._REGISTRY.pop("loop_popped")
+        else:
+            assert _registry._REGISTRY.popitem()[0] == "loop_popped"
+        assert st.generation != g
+        with pytest.raises(BlockDiagError, match="loop_popped"):
+            cached_plan("loop_popped", p)  # a stale plan would name the removed backend
+    finally:
+        if "loop_popped" in _registry.names():
+            _registry.unregister("loop_popped")
+
+
+def test_the_thread_count_is_followed_at_once_between_file_looks(monkeypatch):
+    # The profile has an entry per thread count, so a change must move the epoch on the next
+    # call, not only at the next periodic look at the files (RECHECK_S): here an hour away.
+    import torch
+
+    from blockdiag import profile
+
+    monkeypatch.setattr(profile, "RECHECK_S", 3600.0)
+    st.bump_epoch()
+    st.epoch()  # looks now; the next periodic look is an hour away
+    threads = torch.get_num_threads()
+    before = st.epoch()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert st.epoch() != before
+    finally:
+        torch.set_num_threads(threads)
+        st.bump_epoch()
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+def test_a_layer_selection_whose_epoch_moved_while_planning_is_not_kept(monkeypatch, backend):
+    # nn.linear._select memoises the backend name per (operands, epoch); a plan made while the
+    # epoch moved (another thread's set_config, register, profile write) may be of the old state
+    # and must not be kept under the new epoch (as cached_plan does for its own cache).
+    import torch
+
+    from blockdiag.nn import linear
+
+    real = linear.plan_for
+
+    def moving(*a, **k):
+        plan = real(*a, **k)
+        st.bump_epoch()  # the state moves while this call plans
+        return plan
+
+    monkeypatch.setattr(linear, "plan_for", moving)
+    linear._SELECTED.clear()
+    linear._select("GroupedLinear", backend, torch.randn(3, 4), torch.randn(2, 2, 2), None)
+    assert linear._SELECTED == {}

@@ -494,3 +494,32 @@ def test_save_entry_replaces_no_file_that_is_not_a_profile(tmp_path, monkeypatch
     with pytest.raises(BlockDiagError, match=r"save_entry: refusing to write .*: it is not a blockdiag profile"):
         profile.save_entry(entry([point(loop=1.0)]), path)
     assert path.read_bytes() == before
+
+
+def test_other_dtype_of_this_torch_beside_an_old_torch_entry_is_not_stale(tmp_path):
+    # A profile with this torch's float64 entry and an older torch's float32 entry: asking for
+    # float32 finds no entry, but the profile was tuned with this torch, so it is not stale
+    # (only a profile with no entry for this torch on this device is).
+    old = entry([point(loop=1.0)], torch_version="1.0.0")
+    new64 = entry([point(loop=1.0)], dtype=torch.float64)
+    path = write(tmp_path / "p.json", old, new64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, src = profile.load_entry("cpu", torch.float32, path)
+    assert src == profile.BUILTIN_SOURCE
+
+
+def test_the_builtin_entry_of_this_machine_measured_with_another_variant_drops_simds_times(monkeypatch):
+    # builtin_entry: an entry of this device's name, but only of another simd variant, is used
+    # without its simd times (fit_variant), as the default's is.
+    e = {"device": "cpu", "device_name": "Some CPU (2 threads)", "torch": torch.__version__, "dtype": "float32",
+         "simd_variant": "avx512",
+         "measurements": [{"mode": "forward", "batch": 64, "groups": 16, "block_in": 10, "block_out": 10,
+                           "times_us": {"simd": 5.0, "bmm_fm": 50.0, "loop": 100.0}}]}
+    doc = {"format": profile.FORMAT, "version": profile.VERSION, "entries": {"n512": e}}
+    monkeypatch.setattr(profile, "read_profile", lambda path: (doc, None))
+    monkeypatch.setattr(profile, "device_name", lambda device: "Some CPU (2 threads)")
+    monkeypatch.setattr(profile, "_running_simd_variant", lambda device: "avx2")
+    got = profile.builtin_entry("cpu", torch.float32)
+    assert got["device_name"] == "Some CPU (2 threads)"
+    assert "simd" not in got["measurements"][0]["times_us"] and "bmm_fm" in got["measurements"][0]["times_us"]

@@ -448,3 +448,24 @@ def test_the_weight_gradient_alone_takes_blas_over_few_rows(native, kind):
             assert torch.equal(gx, want[0]) and (gw is None or gw.numel() == 0) and (gb is None or gb.numel() == 0)
             gx, gw, gb = route(gy, x, w, True, False, True)
             assert (gx is None or gx.numel() == 0) and torch.equal(gw, want[1]) and torch.equal(gb, want[2])
+
+
+@pytest.mark.parametrize("arg", ["input", "weight", "bias"])
+def test_the_ops_refuse_an_operand_whose_storage_is_one_element_short(native, arg):
+    ops = {"input": torch.randn(5, 6), "weight": torch.randn(2, 3, 3), "bias": torch.randn(6)}
+    t = ops[arg]
+    t.untyped_storage().resize_((t.numel() - 1) * t.element_size())  # the last element is unstored
+    with pytest.raises(RuntimeError, match="has no storage for its elements"):
+        native.forward(ops["input"], ops["weight"], ops["bias"])
+
+
+@pytest.mark.parametrize("overlap", [1, 3])
+def test_the_ops_copy_rows_that_overlap_and_run_them(native, overlap):
+    # Rows 6 - overlap apart (0 < ld < width): matrix() must hand the kernels a contiguous copy;
+    # the C kernel refuses such a leading dimension, so passing it on makes the op raise.
+    w, b = torch.randn(2, 3, 3), torch.randn(6)
+    x = torch.randn(64).as_strided((5, 6), (6 - overlap, 1))
+    torch.testing.assert_close(native.forward(x, w, b), reference_loop(x.contiguous(), w, b))
+    gy = torch.randn(64).as_strided((5, 6), (6 - overlap, 1))
+    gx, gw, gb = native.backward(gy, x, w, True, True, True)
+    torch.testing.assert_close(gx, gy.contiguous() @ torch.block_diag(*w))

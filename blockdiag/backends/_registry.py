@@ -70,6 +70,12 @@ class Problem:
         return "train" if self.requires_grad else "forward"
 
     def describe(self) -> str:
+        """The problem in one line, as plans and ``blockdiag explain`` head their reports.
+
+        >>> import torch
+        >>> Problem(256, 50, 150, 10, torch.float32, "cpu", True).describe()
+        'batch=256 groups=50 block=150x10 (in x out) float32 cpu train'
+        """
         return (
             f"batch={self.batch} groups={self.groups} block={self.block_in}x{self.block_out} "
             f"(in x out) {str(self.dtype).replace('torch.', '')} {self.device} {self.mode}"

@@ -109,7 +109,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
             for a last layer without bias).
         shared_input: see above.
         backend: ``"auto"`` or a registered backend name for every layer (settable later).
-        strategy: ``"auto"``, ``"layers"`` or ``"fm_chain"`` (settable later), see above.
+        strategy: ``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"`` (settable later), see above.
         device: factory kwarg, as for ``nn.Linear``.
         dtype: factory kwarg, as for ``nn.Linear``.
 

@@ -58,6 +58,13 @@ def _plain(t: torch.Tensor, traced: bool) -> bool:
 class MLPPlan:
     """What :class:`GroupedMLP` runs for an input, and why (``str(plan)`` is a report).
 
+    Returned by :meth:`GroupedMLP.plan`.
+
+    >>> import torch, blockdiag
+    >>> plan = blockdiag.GroupedMLP(8, 4, 1, heads=3, strategy="layers").plan(torch.randn(5, 8))
+    >>> plan.strategy, plan.requested, len(plan.layers)
+    ('layers', 'layers', 2)
+
     Attributes:
         strategy: what runs: ``"fm_chain"``, ``"layers"`` or ``"heads"``.
         requested: the model's ``strategy`` setting (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
