@@ -59,6 +59,19 @@ def test_tune_merges_with_earlier_runs(tmp_path, capsys):
         ("forward", 2), ("forward", 3), ("train", 2)]
 
 
+def test_a_narrowed_tune_names_the_backends_auto_will_rank_last(tmp_path, capsys):
+    # The entry replaces the built-in table everywhere on this device: a tune of two
+    # backends kept auto off every other one, and said nothing.
+    path = tmp_path / "p.json"
+    assert main(["tune", *TINY, "--mode", "forward", "--backends", "loop,bmm", "--profile", str(path)]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this profile has no times")]
+    assert len(note) == 1, note
+    named = note[0].split(" for ", 1)[1].split(":", 1)[0].split(", ")
+    assert named and "loop" not in named and "bmm" not in named, named
+    main(["tune", *TINY, "--mode", "forward", "--profile", str(path)])
+    assert "note: this profile has no times" not in capsys.readouterr().out
+
+
 def test_tune_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "map.png"

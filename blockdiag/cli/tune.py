@@ -79,6 +79,14 @@ def cmd_tune(args) -> int:
     if r is not None:
         print(f"rematched {r['points']} points where the winner was not the earlier table's choice ({r['prior']}) "
               f"({r['rounds']} rounds each); {r['overturned']} overturned")
+    if args.backends:
+        # The entry replaces the built-in table for every shape on this device: a backend it
+        # has no time for ranks after every measured one, everywhere (docs/tuning.md).
+        measured = {n for m in entry["measurements"] for n in m["times_us"]}
+        unmeasured = [n for n in _runnable_names(args.device) if n not in measured]
+        if unmeasured:
+            print(f"note: this profile has no times for {', '.join(unmeasured)}: auto ranks them after the measured "
+                  f"backends at every shape on this device; `blockdiag tune` without --backends measures them")
     s = entry["settings"]
     thr = "never (1.0)" if s["sparsity_threshold"] >= 1.0 else f"{s['sparsity_threshold']:.4f}"
     print(f"measured sparsity_threshold: {thr}; dense_max_groups: {s['dense_max_groups']}; "
