@@ -301,12 +301,15 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
         if entry is not None:
             return fit_variant(entry, device), f"tuning profile {p}"
         same_dev = [k for k in doc["entries"] if k.split("|")[0] == key.split("|")[0]]
-        if not same_dev or all(k.split("|")[1] != torch.__version__ for k in same_dev):
-            _warn_once(
-                p,
-                f"tuning profile {p} is stale: it has no entry for {key!r} "
-                f"(it has {', '.join(map(repr, doc['entries'])) or 'none'}); run `blockdiag tune`",
-            )
+        has = ", ".join(map(repr, doc["entries"])) or "none"
+        tune = "`blockdiag tune" + ("" if device == "cpu" else f" --device {device}") + "`"
+        if not same_dev:
+            # Another machine's profile, this machine's other device, or another thread count.
+            _warn_once(p, f"tuning profile {p} has no entry for this device, {key.split('|')[0]!r} "
+                          f"(it has {has}); {tune} measures one")
+        elif all(k.split("|")[1] != torch.__version__ for k in same_dev):
+            _warn_once(p, f"tuning profile {p} is stale: it has no entry for {key!r}, only other torch "
+                          f"versions' (it has {has}); run {tune}")
     return builtin_entry(device, dtype), BUILTIN_SOURCE
 
 
