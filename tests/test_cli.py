@@ -294,19 +294,25 @@ def test_a_single_stall_does_not_prune_the_fastest():
     assert times["flaky"] < 0.01
 
 
-def test_near_ties_get_more_rounds_and_clear_winners_do_not():
-    import time as _time
+def test_near_ties_get_more_rounds_and_clear_winners_do_not(monkeypatch):
+    import types
 
+    from blockdiag.tuning import _timer
+
+    # A virtual clock that only the steps move: the ties below are exact on any machine
+    # (real sleeps of 5 ms drifted apart by more than the margin on a loaded one).
+    now = [0.0]
+    monkeypatch.setattr(_timer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls = {"a": 0, "b": 0, "slow": 0}
 
-    def step(name, sleep):
+    def step(name, seconds):
         def run():
             calls[name] += 1
-            _time.sleep(sleep)
+            now[0] += seconds
 
         return run
 
-    # "a" and "b" sleep the same 5 ms (within any margin of each other); "slow" sleeps 40 ms.
+    # "a" and "b" take the same 5 ms (within any margin of each other); "slow" takes 40 ms.
     steps = {"a": step("a", 0.005), "b": step("b", 0.005), "slow": step("slow", 0.04)}
     measure(steps, "cpu", rounds=3, min_time=0.0, prune=0, refine=0.5)
     # Warm-up, the calibration run timed twice (it is round 0's sample), 2 more rounds; then
