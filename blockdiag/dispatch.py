@@ -507,6 +507,11 @@ def settings_exclusion(b: Backend, p: Problem, s: Optional[dict]) -> Optional[st
         return f"without autograd it is {b.same_forward_as}'s forward, ranked under that name"
     if s is None:
         return None
+    low = b.reduced_precision.get(p.device)
+    if low is not None and p.dtype in low[0]:
+        # A change of results, not only of speed: auto's answer must be as precise as the
+        # nn.Linear it replaces, whichever backend is fastest.
+        return f"computes {str(p.dtype).replace('torch.', '')} with reduced precision on {p.device} ({low[1]})"
     if b.sparse and p.sparsity < s["sparsity_threshold"]:
         return f"sparsity {p.sparsity:.3f} is below sparsity_threshold={s['sparsity_threshold']}"
     # With one group the "block-diagonal" matrix is the weight itself: the dense GEMM does no

@@ -45,22 +45,22 @@ class BlockLayout:
 
     def csr_indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(crow_indices, col_indices)`` for CSR whose values are ``blocks.reshape(-1)``."""
-        return _csr_indices(self.groups, self.block_out, self.block_in, _dev(device))
+        return _get(_csr_indices, self.groups, self.block_out, self.block_in, _dev(device))
 
     def bsr_indices(
         self, blocksize: tuple[int, int], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(crow_indices, col_indices)`` of the BSR index with the given blocksize."""
         p, q = blocksize
-        return _csr_indices(self.groups, self.block_out // p, self.block_in // q, _dev(device))
+        return _get(_csr_indices, self.groups, self.block_out // p, self.block_in // q, _dev(device))
 
     def coo_indices(self, device: torch.device) -> torch.Tensor:
         """``[2, nnz]`` coalesced COO indices whose values are ``blocks.reshape(-1)``."""
-        return _coo_indices(self.groups, self.block_out, self.block_in, _dev(device))
+        return _get(_coo_indices, self.groups, self.block_out, self.block_in, _dev(device))
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """Bool ``[rows, cols]`` mask, True inside the diagonal blocks."""
-        return _mask(self.groups, self.block_out, self.block_in, _dev(device))
+        return _get(_mask, self.groups, self.block_out, self.block_in, _dev(device))
 
 
 def _dev(device: torch.device | str | None) -> torch.device:
@@ -69,6 +69,18 @@ def _dev(device: torch.device | str | None) -> torch.device:
     if device.type != "cpu" and device.index is None:
         device = torch.device(device.type, torch.empty(0, device=device).device.index)
     return device
+
+
+def _get(fn, *args):
+    """``fn(*args)`` from its cache, or built afresh where the result must not outlive the call.
+
+    Under a dispatch mode (FakeTensorMode: export, fake tracing, memory estimators) the
+    factories return FakeTensors, and while dynamo traces, graph values: cached, they would
+    be handed to every later real call (which then fails on a FakeTensor).
+    """
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        return fn.__wrapped__(*args)
+    return fn(*args)
 
 
 @functools.lru_cache(maxsize=256)
@@ -82,7 +94,7 @@ def _csr_indices(g: int, r: int, c: int, device: torch.device) -> tuple[torch.Te
 
 @functools.lru_cache(maxsize=256)
 def _coo_indices(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
-    crow, col = _csr_indices(g, r, c, device)
+    crow, col = _get(_csr_indices, g, r, c, device)
     row = torch.arange(g * r, device=device, dtype=torch.int64).repeat_interleave(c)
     return torch.stack([row, col])
 

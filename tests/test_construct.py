@@ -283,3 +283,25 @@ def test_a_scipy_dtype_torch_lacks_is_refused_or_converted_as_asked():
 def test_a_one_dimensional_scipy_array_is_refused():
     with pytest.raises(BlockDiagError, match=r"to_blocks: matrix must be 2-D, got shape \(6,\)"):
         blockdiag.to_blocks(sp.coo_array(np.ones(6)), 3)
+
+
+def test_layout_cache_is_not_poisoned_by_fake_tensors():
+    # A constructor run under FakeTensorMode (export, fake tracing, a memory estimator) must
+    # not leave FakeTensors in the per-layout index cache for later real calls (the csr/bsr
+    # backends read the same cache); the same holds for fake CUDA tensors.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from blockdiag.construct import block_diag_coo, block_diag_mask
+    from blockdiag.layout import BlockLayout
+
+    lay = BlockLayout(3, 5, 7)
+    with FakeTensorMode():
+        assert isinstance(lay.csr_indices(torch.device("cpu"))[0], FakeTensor)
+        assert isinstance(lay.coo_indices(torch.device("cpu")), FakeTensor)
+        assert isinstance(block_diag_mask(3, (5, 7)), FakeTensor)
+    for t in (*lay.csr_indices(torch.device("cpu")), lay.coo_indices(torch.device("cpu")), lay.mask(torch.device("cpu"))):
+        assert type(t) is torch.Tensor
+    w = torch.randn(3, 5, 7)
+    torch.testing.assert_close(block_diag_coo(w).to_dense(), torch.block_diag(*w))
+    x = torch.randn(4, 21)
+    torch.testing.assert_close(blockdiag.grouped_linear(x, w, backend="csr"), x @ torch.block_diag(*w).T)

@@ -186,6 +186,26 @@ def test_constraint_allows_where_it_holds(prof, fake_backend):
     assert choose(Problem(256, 64, 10, 10)).backend == "loop"
 
 
+def test_auto_never_picks_a_backend_of_reduced_precision_there(prof, fake_backend, tmp_path):
+    # conv on CUDA float32 (cuDNN's TF32) was auto's choice at 32 inference shapes of the
+    # built-in H200 table: a default layer 1e-3 off where nn.Linear is 1e-6 off.
+    fake_backend("tf32ish", reduced_precision={"cpu": (frozenset({torch.float32}), "the reason")})
+    prof(point(groups=4, tf32ish=0.5, loop=1.0))
+    plan = choose(Problem(256, 4, 10, 10))
+    assert plan.backend == "loop", str(plan)
+    note = [c for c in plan.candidates if c.name == "tf32ish"][0].note
+    assert note == "computes float32 with reduced precision on cpu (the reason)", note
+    from blockdiag.backends import get
+
+    conv = get("conv").reduced_precision
+    assert torch.float32 in conv["cuda"][0] and "cpu" not in conv, conv
+    with blockdiag.config(profile=str(tmp_path / "none.json")):  # the built-in H200 table
+        for batch, groups, block in [(2048, 4, 256), (4096, 50, 64), (32, 4, 10)]:
+            cuda = choose(Problem(batch, groups, block, block, torch.float32, "cuda"))
+            assert cuda.backend not in ("conv", "bsr"), str(cuda)
+        assert choose(Problem(2048, 4, 256, 256, torch.bfloat16, "cuda")).backend == "conv"  # the table's pick
+
+
 def test_sparse_backends_only_at_or_above_the_threshold(prof, fake_backend):
     fake_backend("fake_sparse", sparse=True)
     prof(point(groups=4, fake_sparse=0.5, loop=1.0), point(groups=16, fake_sparse=0.5, loop=1.0))

@@ -30,6 +30,19 @@ def test_a_torch_device_is_keyed_by_its_type():
     assert p.device == "cpu" and p == Problem(8, 4, 4, 4) and choose(p) is choose(Problem(8, 4, 4, 4))
 
 
+@pytest.mark.parametrize("name", ["cuda:1", "cuda:0", "cpu:0"])
+def test_a_device_string_with_an_index_is_keyed_by_its_type(name):
+    # str(tensor.device) on a second GPU is "cuda:1": the same problem as "cuda" (no GPU needed).
+    p = Problem(8, 4, 4, 4, device=name)
+    assert p.device == name.split(":")[0] and p == Problem(8, 4, 4, 4, device=torch.device(name))
+    assert choose(p).backend
+
+
+def test_an_unknown_device_string_with_an_index_is_refused():
+    with pytest.raises(BlockDiagError, match=r"Problem: device must be a device type such as 'cpu', got 'gpu:1'"):
+        Problem(8, 4, 4, 4, device="gpu:1")
+
+
 def test_zero_groups_from_the_operands_is_named():
     with pytest.raises(BlockDiagError, match=r"groups must be an int >= 1, got 0"):
         grouped_linear(torch.randn(5, 0), torch.randn(0, 2, 3))

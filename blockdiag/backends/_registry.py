@@ -41,6 +41,12 @@ class Problem:
             v = getattr(self, name)
             if not is_int(v, lo):
                 raise BlockDiagError(f"Problem: {name} must be an int >= {lo}, got {v!r}")
+        if isinstance(self.device, str) and ":" in self.device:
+            # "cuda:1" (a tensor's str(device)) names a device; the problem is its type's.
+            try:
+                object.__setattr__(self, "device", torch.device(self.device))
+            except RuntimeError:
+                raise BlockDiagError(f"Problem: device must be a device type such as 'cpu', got {self.device!r}") from None
         if isinstance(self.device, torch.device):
             # torch.device("cuda:1") and "cuda" are the same problem: keyed by device type.
             object.__setattr__(self, "device", self.device.type)
@@ -122,6 +128,11 @@ class Backend:
         loops_groups: whether it calls torch once per group from Python (``loop``'s
             backward, for instance): its time grows with the group count whatever the FLOPs,
             which the CLI's duration estimate counts.
+        reduced_precision: for each device type, the dtypes it computes with less precision
+            than ``nn.Linear`` does under torch's defaults, and why (``conv`` on CUDA:
+            cuDNN runs float32 convolutions in TF32 unless
+            ``torch.backends.cudnn.allow_tf32`` is off, where float32 matmuls stay float32).
+            ``auto`` never picks it there; naming it still runs it.
     """
 
     name: str
@@ -138,6 +149,7 @@ class Backend:
     same_forward_as: Optional[str] = None
     isolates_groups: bool = True
     loops_groups: bool = False
+    reduced_precision: Mapping[str, tuple[frozenset, str]] = field(default_factory=dict)
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""

@@ -112,5 +112,6 @@ BACKEND = register(
         sparse=True,
         constraint=_constraint,
         summary="torch sparse BSR product (square sub-blocks; Triton on CUDA), per-block weight gradient",
+        reduced_precision={"cuda": (frozenset({torch.float32}), "torch's Triton BSR kernel computes float32 in TF32")},
     )
 )

@@ -53,5 +53,9 @@ BACKEND = register(
         dtypes={"cpu": FLOATS, "cuda": FLOATS},
         constraint=_constraint,
         summary="grouped conv1d, kernel size 1 (oneDNN / cuDNN)",
+        # cuDNN's default (torch.backends.cudnn.allow_tf32) is TF32 for float32 convolutions on
+        # Ampere and newer; torch's float32 matmuls, nn.Linear's, default to full float32.
+        reduced_precision={"cuda": (frozenset({torch.float32}), "cuDNN's TF32 by default, where nn.Linear's "
+                                                                  "float32 matmul is full float32")},
     )
 )
