@@ -15,7 +15,6 @@ import warnings as _warnings
 from ._errors import BlockDiagError
 from .backends import Backend, Problem
 from .backends._registry import BackendInfo
-from .backends._registry import names as _names
 from .backends._registry import register as _register
 from .backends._registry import registry as _registry
 from .backends._registry import unregister as _unregister
@@ -83,8 +82,8 @@ def list_backends() -> list[BackendInfo]:
         one :class:`BackendInfo` per registered backend, in registration order.
     """
     out = []
-    for name in _names():
-        b = _registry()[name]
+    # A snapshot: a backend unregistered by another thread meanwhile is not looked up again.
+    for name, b in tuple(_registry().items()):
         why = b.unavailable_reason()
         out.append(BackendInfo(name, why is None, why or "", b.summary))
     return out

@@ -74,7 +74,7 @@ import torch
 from . import settings as _config
 from . import profile as _profile
 from ._errors import BlockDiagError
-from .backends import Backend, Problem, get, names
+from .backends import Backend, Problem, get, names, registry
 from .settings import epoch
 
 __all__ = [
@@ -286,8 +286,12 @@ def _screen(
     """
     ok: list[str] = []
     notes: dict[str, str] = {}
-    for name in names() if backends is None else backends:
-        b = get(name, fn_name, auto_valid=False)
+    # One snapshot of the registry (a C-level copy, atomic under the GIL): another thread may
+    # register or unregister a backend meanwhile, and a name listed but gone by the time it is
+    # looked up made `auto` fail with "unknown backend" for a backend it never named.
+    pairs = tuple(registry().items()) if backends is None else [
+        (name, get(name, fn_name, auto_valid=False)) for name in backends]
+    for name, b in pairs:
         why = b.decline_reason(problem) or settings_exclusion(b, problem, settings)
         if why is None:
             ok.append(name)
@@ -439,14 +443,14 @@ def plan_state() -> str:
             return (str(path), None)
         return (str(path), st.st_mtime_ns, st.st_size)
 
-    registry = []
-    for name in names():
-        fn = get(name, auto_valid=False).fn
+    backends = []
+    for name, b in tuple(registry().items()):  # a snapshot, as in _screen
+        fn = b.fn
         fn = getattr(fn, "forward", fn)  # an OpEntry: its kernel names the code
-        registry.append((name, getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__qualname__)))
+        backends.append((name, getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__qualname__)))
     path = _config.resolve("profile")[0] or _profile.default_profile_path()
     parts = (__version__, code_digest(), torch.get_num_threads(), repr(_config.get_settings()), stat(path),
-             stat(_profile.DEFAULTS_PATH), tuple(registry))
+             stat(_profile.DEFAULTS_PATH), tuple(backends))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -592,7 +596,8 @@ def _one_group_choice(p: Problem, ok: list[str], entry: Optional[dict]) -> Optio
     """The backend :data:`ONE_GROUP_RULE` picks for ``p``, or None where it does not apply."""
     if p.groups != 1 or any(m["groups"] == 1 and m["mode"] == p.mode for m in (entry or {}).get("measurements", [])):
         return None
-    return next((n for n in ok if get(n).dense_matrix), None)
+    reg = registry()
+    return next((n for n in ok if getattr(reg.get(n), "dense_matrix", False)), None)
 
 
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:

@@ -151,3 +151,47 @@ def test_a_fresh_import_of_the_subpackage_gives_the_subpackage():
             "assert B.names()[0] == 'loop'; from blockdiag.backends import Backend; print(B.__name__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "blockdiag.backends", r.stdout + r.stderr
+
+
+def test_auto_and_list_backends_survive_another_thread_registering_and_removing():
+    # A backend removed by another thread between listing the names and looking one up made
+    # `auto` raise "choose: unknown backend" for a backend it never named, and list_backends()
+    # raise a bare KeyError. Both read one snapshot of the registry now.
+    import threading
+    import time
+
+    from blockdiag import settings as st
+
+    stop, errors, planned = threading.Event(), [], [0]
+
+    def churn():
+        while not stop.is_set():
+            blockdiag.register_backend(Backend("test_churn", _einsum, dtypes=F32))
+            blockdiag.unregister_backend("test_churn")
+
+    def user():
+        layer = blockdiag.GroupedLinear(12, 8, groups=4)
+        while not stop.is_set():
+            try:
+                layer(torch.randn(3, 12))
+                for _ in range(3):
+                    blockdiag.list_backends()
+                planned[0] += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+                stop.set()
+
+    threads = [threading.Thread(target=churn), threading.Thread(target=user)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 6.0  # before the fix it failed within 2 s in most runs
+    while time.monotonic() < deadline and not stop.is_set():
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    if "test_churn" in blockdiag.backends.names():
+        blockdiag.unregister_backend("test_churn")
+    st.bump_epoch()
+    assert not errors, errors[:3]
+    assert planned[0] > 0

@@ -258,3 +258,31 @@ def test_weight_and_bias_gradients_over_many_rows_stay_accurate(route, blocks):
     for name, got, want in (("weight", w.grad, want_w), ("bias", b.grad, want_b)):
         rel = float((got.double() - want).abs().max() / want.abs().max())
         assert rel < 2e-5, f"{name} gradient: relative error {rel:.1e} over {n} rows"
+
+
+def test_first_use_from_many_threads_builds_the_library_once(tmp_path):
+    # simd._library was a bare lru_cache: 8 threads making their first call at once each
+    # compiled the library and renamed it over the others', and a thread whose copy was
+    # replaced while it loaded found simd "unusable ... was replaced while it was loaded".
+    import os
+    import subprocess
+    import sys
+
+    log, cc = tmp_path / "cc.log", tmp_path / "cc.sh"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo x >> {log};; esac\nexec "${{REAL_CC:-cc}}" "$@"\n')
+    cc.chmod(0o755)
+    code = ("import threading, torch, blockdiag\n"
+            "bar = threading.Barrier(8); errors = []\n"
+            "def work():\n"
+            "    layer = blockdiag.GroupedLinear(30, 35, groups=5, backend='simd'); x = torch.randn(16, 30)\n"
+            "    bar.wait()\n"
+            "    try: layer(x)\n"
+            "    except Exception as e: errors.append(repr(e))\n"
+            "ts = [threading.Thread(target=work) for _ in range(8)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "assert not errors, errors[:2]\n")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CC=str(cc), REAL_CC=os.environ.get("CC", "cc"),
+               BLOCKDIAG_PROFILE=str(tmp_path / "none.json"), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert log.read_text().count("x") == 1

@@ -97,6 +97,7 @@ import hashlib
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -301,9 +302,32 @@ def _load_or_build(cc: tuple[str, ...], source_dir: Path, path: Path,
                   lambda lib, p: _entry_points(lib, p, " ".join(cc), variant), "the compiled kernels")
 
 
+# Serialises the first look in this process: lru_cache does not, so threads making their first
+# simd call at once each compiled the library and renamed it over the others' copy, and a
+# thread whose copy was replaced while it was loading found simd "unusable" (and, if it
+# finished last, left that verdict cached for the process). Taken only on a cache miss; the
+# threads that waited get the first one's result from ``_library_once``'s cache.
+_LIBRARY_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> tuple[Optional[dict], Optional[str]]:
     """``({dtype: (forward, grad_input, grad_weight)}, None)``, or ``(None, why not)``."""
+    with _LIBRARY_LOCK:
+        return _library_once()
+
+
+_clear_outer = _library.cache_clear
+
+
+def _library_cache_clear() -> None:
+    with _LIBRARY_LOCK:
+        _library_once.cache_clear()
+        _clear_outer()
+
+
+@functools.lru_cache(maxsize=None)
+def _library_once() -> tuple[Optional[dict], Optional[str]]:
     _INFO.clear()
     _simd_ops.disarm()  # the C++ ops hold the previous library's kernels
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
@@ -329,6 +353,9 @@ def _library() -> tuple[Optional[dict], Optional[str]]:
         digest.update((source_dir / name).read_bytes())
     name = f"simd-{chosen}-{digest.hexdigest()[:20]}.so"
     return _cached(name, lambda path: _load_or_build(cc, source_dir, path, chosen), "the compiled kernels")
+
+
+_library.cache_clear = _library_cache_clear  # forgets both caches (a forced variant, tests)
 
 
 def _operand(arg: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
