@@ -102,3 +102,19 @@ def test_bad_inputs_under_compile_are_named_too():
     with pytest.raises(BlockDiagError, match="input must be a torch.Tensor, got NoneType"):
         torch.compile(layer, backend="eager")(None)
     assert blockdiag.BlockDiagError is BlockDiagError
+
+
+@pytest.mark.parametrize("dtype,pattern", [
+    pytest.param(torch.complex64, r"dtype=torch\.complex64 is not one any backend runs \(they run .*float32", id="complex64"),
+    pytest.param(torch.int32, r"dtype=torch\.int32 is not one any backend runs", id="int32"),
+    pytest.param(torch.float8_e4m3fn, r"dtype=torch\.float8_e4m3fn is not one any backend runs", id="float8"),
+    pytest.param("float32", r"dtype must be a torch\.dtype such as torch\.float32, got 'float32'", id="string"),
+])
+@pytest.mark.parametrize("module", ["GroupedLinear", "GroupedMLP"])
+def test_a_dtype_no_backend_runs_is_refused_at_construction(module, dtype, pattern):
+    # complex64 used to construct and fail only at the first call; int32 and float8 failed in
+    # torch's initialisers with messages that named neither the module nor the argument.
+    make = {"GroupedLinear": lambda: GroupedLinear(G * I, G * O, G, dtype=dtype),
+            "GroupedMLP": lambda: GroupedMLP(I, O, 1, G, dtype=dtype)}[module]
+    with pytest.raises(BlockDiagError, match=rf"^{module}: {pattern}"):
+        make()

@@ -12,6 +12,7 @@ from torch.autograd import forward_ad as _fwad
 from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
 from ..backends import Problem, get
+from ..backends._registry import check_dtype
 from .. import settings as _settings
 from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
@@ -369,6 +370,7 @@ class GroupedLinear(nn.Module):
     ):
         super().__init__()
         check_groups(type(self).__name__, groups, in_features, out_features)
+        check_dtype(type(self).__name__, dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.groups = groups

@@ -10,6 +10,7 @@ from torch.autograd import forward_ad as _fwad
 
 from ..._checks import check, check_operand_kinds
 from ...backends import get
+from ...backends._registry import check_dtype
 from ...ops._define import _records, rows_pay
 from ...ops.fm_rows import fm_rows
 from ..linear import GroupedLinear
@@ -136,6 +137,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
     ):
         super().__init__()
         fn = type(self).__name__
+        check_dtype(fn, dtype)
         hidden = [hidden_features] if isinstance(hidden_features, int) else list(hidden_features)
         sizes = [in_features, *hidden, out_features]
         check(
