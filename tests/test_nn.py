@@ -291,12 +291,26 @@ def test_training_parity_50_steps(name):
     assert lb.item() < 0.9 * first  # it trained, so the parity above compared moving models
 
 
+def test_from_heads_takes_bare_linear_heads_as_one_layer_heads():
+    # Single nn.Linear heads reading one input are common (multi-task heads); they used to be
+    # refused until wrapped in nn.Sequential by hand.
+    heads = [nn.Linear(4, 3) for _ in range(5)]
+    x = torch.randn(6, 4)
+    model = GroupedMLP.from_heads(heads)
+    torch.testing.assert_close(model(x), torch.cat([h(x) for h in heads], -1))
+    mixed = GroupedMLP.from_heads([heads[0], nn.Sequential(heads[1])])
+    torch.testing.assert_close(mixed(x), torch.cat([heads[0](x), heads[1](x)], -1))
+    heads[2].register_forward_hook(lambda *a: None)
+    with pytest.raises(BlockDiagError, match=r"heads\[2\]\[0\] has forward or backward hooks"):
+        GroupedMLP.from_heads(heads)
+
+
 def test_from_heads_bad_input():
     good = _heads(2, [4, 3, 1])
     with pytest.raises(BlockDiagError, match="heads is empty"):
         GroupedMLP.from_heads([])
-    with pytest.raises(BlockDiagError, match=r"heads\[0\] must be an nn.Sequential, got Linear"):
-        GroupedMLP.from_heads([nn.Linear(3, 2)])
+    with pytest.raises(BlockDiagError, match=r"heads\[0\] must be an nn.Sequential or an nn.Linear, got ReLU"):
+        GroupedMLP.from_heads([nn.ReLU()])
     bad = nn.ModuleList([good[0], _heads(1, [4, 5, 1])[0]])
     with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\] is Linear with weight \(5, 4\).*heads\[0\]\[0\] has weight \(3, 4\)"):
         GroupedMLP.from_heads(bad)

@@ -18,10 +18,12 @@ from .activations import _check_activation, _hooked
 def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, backend: str, strategy: str):
     """:meth:`GroupedMLP.from_heads` (``cls``: the class to build)."""
     fn = "GroupedMLP.from_heads"
-    heads = list(heads)
+    # A bare Linear is the one-layer head Sequential(Linear): wrapping it copies nothing, and
+    # every check below then sees it as such (its hooks, mode, parametrizations).
+    heads = [nn.Sequential(h) if isinstance(h, nn.Linear) else h for h in heads]
     check(fn, len(heads) > 0, "heads is empty")
     ref = list(heads[0]) if isinstance(heads[0], nn.Sequential) else None
-    check(fn, ref is not None, f"heads[0] must be an nn.Sequential, got {type(heads[0]).__name__}")
+    check(fn, ref is not None, f"heads[0] must be an nn.Sequential or an nn.Linear, got {type(heads[0]).__name__}")
     at = [k for k, m in enumerate(ref) if isinstance(m, nn.Linear)]
     check(
         fn,
@@ -32,7 +34,7 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
     )
     for h, head in enumerate(heads):
         mods = list(head) if isinstance(head, nn.Sequential) else None
-        check(fn, mods is not None, f"heads[{h}] must be an nn.Sequential, got {type(head).__name__}")
+        check(fn, mods is not None, f"heads[{h}] must be an nn.Sequential or an nn.Linear, got {type(head).__name__}")
         check(
             fn,
             type(head).forward is nn.Sequential.forward,

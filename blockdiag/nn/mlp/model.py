@@ -453,7 +453,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
 
         Args:
             heads: a non-empty sequence (or ``nn.ModuleList``) of ``nn.Sequential`` modules
-                of identical structure: ``Linear``, then any number of (activation, ``Linear``)
+                of identical structure (a bare ``nn.Linear`` counts as
+                ``nn.Sequential(linear)``): ``Linear``, then any number of (activation, ``Linear``)
                 pairs, then optionally an activation (``output_activation``), where an
                 activation is one or more stateless element-wise modules (``ReLU``, or
                 ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``); all Linear
