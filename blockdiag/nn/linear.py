@@ -536,7 +536,9 @@ class GroupedLinear(nn.Module):
         Returns:
             an ``nn.ModuleList`` of ``groups`` ``nn.Linear(block_in, block_out)`` on this
                 layer's device and dtype; ``torch.cat([l(x_g) ...], -1)`` over the input's
-                slices equals this layer's output.
+                slices equals this layer's output. Hooks registered on this layer are not
+                carried over: they see the whole layer's input and output, which no single
+                ``nn.Linear`` has; register them again where they belong.
         """
         _sharding.refuse_sharded("GroupedLinear.to_linears", self)
         out = nn.ModuleList()
