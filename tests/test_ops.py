@@ -514,6 +514,48 @@ def test_forward_ad_tangent(name, dtype, case):
     _close(tangent.detach(), want, dtype, what=f"{name} tangent ({case})")
 
 
+@pytest.mark.parametrize("params", ["frozen", "trainable"])
+@pytest.mark.parametrize("name", ALL)
+def test_forward_ad_runs_no_product_for_an_operand_without_a_tangent(name, params):
+    # An autograd.Function hands materialised zero tangents by default: a frozen weight's
+    # zero tangent then cost a third product (x times zeros) on every forward-AD call.
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float64, False, True)
+    w.requires_grad_(params == "trainable")
+    with FlopCounterMode(display=False) as primal:
+        grouped_linear(x, w, b, backend=name)
+    with FlopCounterMode(display=False) as dual, fwAD.dual_level():
+        y = grouped_linear(fwAD.make_dual(x, torch.randn_like(x)), w, b, backend=name)
+        assert fwAD.unpack_dual(y).tangent is not None
+    assert primal.get_total_flops() > 0
+    assert dual.get_total_flops() == 2 * primal.get_total_flops()
+
+
+class _NoGrad(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (an undefined one) in backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_an_undefined_gradient_under_forward_ad_is_no_gradient(name):
+    # Under a dual level the ops leave gradients unmaterialised (so that a missing tangent is
+    # None): a backward reached with an undefined gradient must give none, not fail.
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float64, True, True)
+    with fwAD.dual_level():
+        y = grouped_linear(x, w, b, backend=name)
+        (_NoGrad.apply(y).sum() + x.sum()).backward()
+    assert w.grad is None or not w.grad.any()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_gradcheck_float64(name):
     require_backend(name)

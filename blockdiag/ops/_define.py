@@ -398,6 +398,11 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
     ctx.save_for_forward(x, weight)
     ctx.has_bias = bias is not None
+    if _fwad._current_level >= 0:
+        # Operands without a tangent then reach _jvp as None, not as materialised zeros
+        # that cost a second product (a frozen weight's zero tangent times x). Backward's
+        # gradient may then be None too: the backward functions below answer it with None.
+        ctx.set_materialize_grads(False)
 
 
 def _functions(entry: OpEntry) -> None:
@@ -405,6 +410,8 @@ def _functions(entry: OpEntry) -> None:
     name = entry.name
 
     def backward_kernels(ctx, gy):
+        if gy is None:
+            return None, None, None
         if differentiable_backward_needed(gy):
             return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors
@@ -413,6 +420,8 @@ def _functions(entry: OpEntry) -> None:
         return gx, gw, (gb if need_b else None)
 
     def backward_op(ctx, gy):
+        if gy is None:
+            return None, None, None
         if differentiable_backward_needed(gy):
             return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors

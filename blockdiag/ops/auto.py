@@ -152,6 +152,8 @@ def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
 
 
 def _backward(ctx, gy):
+    if gy is None:  # possible under forward AD only (see _define._setup)
+        return None, None, None
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if differentiable_backward_needed(gy):

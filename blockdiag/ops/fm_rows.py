@@ -20,6 +20,7 @@ compiler traces and fuses, and which double backward differentiates again.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _fwad
 
 from ._define import LIB, _jvp, _named, _records, forward_ad_active, register_autocast
 
@@ -70,11 +71,15 @@ class _Fn(torch.autograd.Function):
     def forward(ctx, h, weight, bias, keyset):
         ctx.save_for_backward(h, weight)
         ctx.save_for_forward(h, weight)
+        if _fwad._current_level >= 0:  # no zero tangent for an operand without one (_define._setup)
+            ctx.set_materialize_grads(False)
         with torch._C._AutoDispatchBelowAutograd():
             return FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, h, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
+        if gy is None:
+            return None, None, None, None
         h, weight = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         return (*fm_rows_backward(gy, h, weight, need_h, need_w, need_b), None)
