@@ -26,6 +26,7 @@ parametrization would let it initialise a temporary copy of ``weight`` and keep 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
@@ -215,7 +216,11 @@ def _mask_like(mask_mod: BlockDiagonalMask, t: torch.Tensor) -> torch.Tensor:
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     key = prefix + _ORIG
-    if key in state_dict and _only_mask(module):
+    # torch.onnx's TorchScript exporter traces with the state dict's tensors as the graph's
+    # inputs: a derived weight there would leave ``original`` out (a constant that requires
+    # grad, which tracing refuses), so while it exports the keys stay torch's.
+    onnx = sys.modules.get("torch.onnx")
+    if key in state_dict and _only_mask(module) and not (onnx is not None and onnx.is_in_onnx_export()):
         orig = state_dict.pop(key)
         # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
         # Detached: with keep_vars=True too, a value (a leaf), as a parameter would be.

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from _params import run_or_fail_on_hang
+from _params import DTYPES, backends_and_auto, require_backend, run_or_fail_on_hang
 
 import blockdiag
 
@@ -88,3 +88,51 @@ def test_a_deployed_model_runs_in_a_fresh_process(kind, aoti, tmp_path):
     assert rc == 0, err[-3000:]
     w = _width(kind)
     assert out.split() == ["ok", f"({BATCHES[0]},", f"{w})", "ok", f"({BATCHES[1]},", f"{w})"], out
+
+
+def _onnx_run(model, x, tmp_path, dynamo: bool):
+    """``model`` exported by torch's ONNX exporter (``dynamo``: the torch.export one, else the
+    TorchScript one) with a dynamic batch, loaded in onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    path = tmp_path / "model.onnx"
+    if dynamo:
+        batch = torch.export.Dim("batch", min=2, max=1024)
+        torch.onnx.export(model.eval(), (x,), path, dynamo=True, dynamic_shapes=({0: batch},), verbose=False)
+    else:
+        torch.onnx.export(model.eval(), (x,), path, dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    return ort.InferenceSession(str(path))
+
+
+EXPORTERS = [pytest.param(True, id="dynamo"), pytest.param(False, id="torchscript")]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+@pytest.mark.parametrize("backend", backends_and_auto())
+def test_onnx_export_of_every_backend_runs_in_onnxruntime(backend, dynamo, tmp_path):
+    require_backend(backend)
+    torch.manual_seed(0)
+    model = blockdiag.GroupedLinear(G * I, G * O, groups=G, backend=backend)
+    sess = _onnx_run(model, torch.randn(BATCHES[0], G * I), tmp_path, dynamo)
+    for b in BATCHES:
+        x = torch.randn(b, G * I)
+        (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+        torch.testing.assert_close(torch.from_numpy(got).double(), _loop(model, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strategy", ["layers", "fm_chain", "heads"])
+def test_onnx_export_of_mlp_runs_in_onnxruntime(strategy, dtype, dynamo, tmp_path):
+    torch.manual_seed(0)
+    model, width = blockdiag.GroupedMLP(I, [H], O, heads=G, strategy=strategy, dtype=dtype), I
+    sess = _onnx_run(model, torch.randn(BATCHES[0], width, dtype=dtype), tmp_path, dynamo)
+    for b in BATCHES:
+        x = torch.randn(b, width, dtype=dtype)
+        (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), model(x))

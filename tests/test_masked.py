@@ -17,6 +17,13 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
     "adamw-decay": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.5),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    # The multi-tensor and fused kernels update every parameter in one call, not through
+    # the per-tensor loop: the claim is "whatever the optimizer", so they are held to it too.
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw-foreach-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.5, amsgrad=True, foreach=True),
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1, fused=True),
+    "adagrad-decay": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.3, initial_accumulator_value=0.1),
+    "rmsprop-centered-decay": lambda p: torch.optim.RMSprop(p, lr=1e-2, weight_decay=0.3, centered=True),
 }
 
 
@@ -440,3 +447,48 @@ def test_removing_the_mask_under_a_stacked_parametrization_keeps_weight_after_or
     before = lin.weight.detach().clone()
     remove_block_diagonal_mask_(lin)
     torch.testing.assert_close(lin.weight.detach(), before, rtol=0, atol=0)  # "weight is unchanged"
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("dynamo", [pytest.param(True, id="dynamo"), pytest.param(False, id="torchscript")])
+def test_onnx_export_of_a_masked_linear_runs_in_onnxruntime(dynamo, tmp_path):
+    # The TorchScript exporter traces with the state dict's tensors as graph inputs: the
+    # masked weight there, not ``original``, made it refuse ``original`` as a constant.
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    g, r, c = 3, 2, 4
+    lin = mask_block_diagonal_(nn.Linear(g * c, g * r), g).eval()
+    x = torch.randn(5, g * c)
+    path = tmp_path / "masked.onnx"
+    torch.onnx.export(lin, (x,), path, dynamo=dynamo)
+    sess = ort.InferenceSession(str(path))
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), lin(x))
+    assert sorted(lin.state_dict()) == ["bias", "weight"]  # the export left the plain keys as they were
+
+
+def test_lbfgs_and_ema_keep_offdiagonal_zero():
+    # LBFGS steps along its own combination of past gradients (a closure, several
+    # evaluations per step); an EMA twin (AveragedModel) averages ``original`` itself.
+    g, r, c = 3, 4, 5
+    lin = mask_block_diagonal_(nn.Linear(g * c, g * r), g)
+    off = ~block_diag_mask(g, (r, c))
+    ema = torch.optim.swa_utils.AveragedModel(lin, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    optim = torch.optim.LBFGS(lin.parameters(), lr=0.5, history_size=4, max_iter=4, line_search_fn="strong_wolfe")
+    x, target = torch.randn(16, g * c), torch.randn(16, g * r)
+
+    def closure():
+        optim.zero_grad(set_to_none=False)
+        loss = ((lin(x) - target) ** 2).mean() + lin.weight.sum()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        optim.step(closure)
+        ema.update_parameters(lin)
+    for w in (lin.weight, lin.parametrizations.weight.original, ema.module.weight, ema.module.state_dict()["weight"]):
+        assert bool((w[off] == 0.0).all())
+    assert bool((lin.weight[~off] != 0.0).any())

@@ -713,6 +713,40 @@ def test_grouped_mlp_persistence_across_backends(via):
                       torch.randn(5, 6, dtype=torch.float64), via)
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_training_checkpoint_resumes_on_another_backend(kind):
+    # torch.load's default (weights_only=True) must read the whole checkpoint: the model's
+    # and the optimizer's state, saved under one backend and resumed under another.
+    def make(backend):
+        torch.manual_seed(0)
+        if kind == "linear":
+            return GroupedLinear(12, 8, groups=4, backend=backend, dtype=torch.float64)
+        return GroupedMLP(6, [5], 2, heads=3, backend=backend, dtype=torch.float64)
+
+    x = torch.randn(7, 12 if kind == "linear" else 6, dtype=torch.float64)
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+
+    a = make("bmm")
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    step(a, opt_a)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "optimizer": opt_a.state_dict(), "step": 1}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    b = make("loop")
+    b.load_state_dict(ckpt["model"])
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    opt_b.load_state_dict(ckpt["optimizer"])
+    step(a, opt_a)
+    step(b, opt_b)
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(w, v, msg=k)
+
+
 def test_state_dict_is_backend_independent():
     a = GroupedLinear(12, 8, groups=4, backend="csr")
     b = copy.deepcopy(a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Sequence
 
 import torch
@@ -17,6 +18,7 @@ from .. import settings as _settings
 from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
 from ..ops import _sharding
+from ..ops._define import transform_forward
 from ..ops.auto import auto as _auto_op
 from ..ops.auto import auto_inline as _auto_inline_op
 from ..ops.auto import traced_routes
@@ -288,6 +290,13 @@ def _traced_plan_state(native: bool = True, dtype: torch.dtype | None = None, de
 _traced_plan_state._dynamo_marked_constant = True
 
 
+def _onnx_exporting() -> bool:
+    """Whether ``torch.onnx.export`` is tracing (either exporter); never imports ``torch.onnx``,
+    whose import costs more than a product: unimported, no export runs."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
+
+
 def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The product through the registered ops: traced graphs, transforms, modes and subclasses.
 
@@ -305,7 +314,12 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     g, o, i = _check_operands(fn, x, weight, bias)
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(lead.numel(), g * i)
-    if backend == "auto":
+    if _onnx_exporting():
+        # ONNX has no blockdiag ops, and no backend's kernel means anything to an ONNX
+        # runtime: every backend computes one function, recorded as one batched matmul in
+        # torch ops, which both of torch's ONNX exporters translate.
+        y = transform_forward(None)(x2, weight, bias)
+    elif backend == "auto":
         # jit.trace records Python values as constants, and its check run repeats the call
         # under no_grad: a traced auto is planned for inference, whatever grad mode traced it.
         train = _records_grad(x, weight, bias) and torch._C._get_tracing_state() is None
