@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -346,6 +348,33 @@ def test_an_output_that_fails_when_written_is_one_line(capsys):
     assert rc == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith(
         "blockdiag bench: error: --json: cannot write '/proc/blockdiag-test.json'"), err
+
+
+def test_a_tune_whose_profile_cannot_be_written_at_the_end_keeps_its_measurements(tmp_path, monkeypatch, capsys):
+    # The profile passed the checks before the run, and the write after it failed (a full
+    # disk): the minutes of measurements were lost with the error.
+    import errno
+
+    from blockdiag import profile
+
+    target, real = tmp_path / "p.json", profile.write_json_atomic
+
+    def full(path, obj):
+        if Path(path) == target:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, obj)
+
+    monkeypatch.setattr(profile, "write_json_atomic", full)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = main(["tune", *TINY, "--mode", "forward", "--profile", str(target)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "No space left on device" in err, err
+    (spare,) = tmp_path.glob("blockdiag-tune-*/profile.json")
+    assert f"saved to {spare}" in err and not target.exists()
+    doc, why = profile.read_profile(spare)
+    assert why is None
+    (entry,) = doc["entries"].values()
+    assert entry["measurements"] and {m["mode"] for m in entry["measurements"]} == {"forward"}
 
 
 @pytest.mark.parametrize("command", ["tune", "bench"])

@@ -469,6 +469,102 @@ def test_a_compiler_path_that_cannot_run_says_why(monkeypatch, tmp_path, kind):
         None, f"no C compiler: {target} {want} (set $BLOCKDIAG_TEST_CC)")
 
 
+# --- processes sharing one cache ------------------------------------------------------------
+
+# Run by each process of the races below: _libcache alone (no torch, so they start together),
+# a "build" that copies a prebuilt library and installs it at a given instant, and a loader
+# slowed down (a busy machine, a network file system) to widen the window between the checks
+# on the open file and the inode check after dlopen.
+_RACER = textwrap.dedent("""
+    import ctypes, importlib.util, shutil, sys, time
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("libcache", sys.argv[1])
+    lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
+    lc.LOCK_TIMEOUT_S = float(sys.argv[6])
+    src, folder, at, log = sys.argv[2], Path(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    real_cdll = ctypes.CDLL
+    def slow(name, *a, **k):
+        time.sleep(0.5)
+        return real_cdll(name, *a, **k)
+    ctypes.CDLL = slow
+    def build(path):
+        with lc._staging(path) as tmp:
+            shutil.copyfile(src, tmp)
+            with open(log, "a") as f:
+                f.write("built\\n")
+            time.sleep(max(0.0, at - time.time()))
+            return lc._install(tmp, path, ["stub"])
+    found, why, final = lc._fetch(folder / "lib.so", build, lambda lib, p: (lib, None), "the stub")
+    print(why)
+    raise SystemExit(0 if found is not None else 1)
+""")
+
+
+def _racers(tmp_path, n: int, lock_timeout: float = 60.0) -> list:
+    """``n`` processes fetching one library into one fresh folder, their installs 0.15 s apart."""
+    src = tmp_path / "stub.so"
+    subprocess.run([CC, "-shared", "-fPIC", "-o", str(src), "-x", "c", "-"], input="int f(void){return 1;}",
+                   text=True, check=True)
+    folder = tmp_path / "kernels"
+    folder.mkdir(mode=0o700)
+    at = time.time() + 3
+    return [subprocess.Popen([sys.executable, "-c", _RACER, _libcache.__file__, str(src), str(folder),
+                              str(at + 0.15 * k), str(tmp_path / "log"), str(lock_timeout)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for k in range(n)]
+
+
+@needs_cc
+def test_processes_fetching_one_library_at_once_build_it_once_and_all_load_it(tmp_path):
+    # Processes making their first simd call at once into one cache (torchrun, pytest -n) each
+    # compiled the library and renamed it over the others' copy; one whose copy was replaced
+    # while it loaded judged simd "unusable ... was replaced while it was loaded" for its
+    # lifetime. Under the cache's lock file one builds and the others load its library.
+    procs = _racers(tmp_path, 4)
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    failed = [out.strip() or err[-500:] for p, (out, err) in zip(procs, outs) if p.returncode != 0]
+    assert not failed, failed
+    assert (tmp_path / "log").read_text().count("built") == 1
+
+
+@needs_cc
+def test_a_build_lock_held_too_long_gives_way_and_a_killed_holder_leaves_none(tmp_path):
+    import fcntl
+
+    folder = tmp_path / "kernels"
+    folder.mkdir(mode=0o700)
+    lock = folder / ".lib.so.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        old = _libcache.LOCK_TIMEOUT_S
+        _libcache.LOCK_TIMEOUT_S = 0.3
+        try:
+            found, why, final = _libcache._fetch(folder / "lib.so", lambda p: pytest.fail("built under a held lock"),
+                                                 lambda lib, p: (lib, None), "the stub")
+        finally:
+            _libcache.LOCK_TIMEOUT_S = old
+        # Not final: _cached then builds in a private temporary folder instead of waiting on.
+        assert found is None and not final and str(lock) in why and "0.3 s" in why
+    finally:
+        holder.kill()
+        holder.wait()
+    # The lock file stays behind, but unlocked: the next process takes it at once.
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
 # --- item 10: no planted library is ever loaded ---------------------------------------------
 
 @needs_cc
@@ -508,6 +604,31 @@ def test_a_cache_folder_linked_to_a_shared_folder_is_refused_untouched(tmp_path,
     if where == "blockdiag":
         (private / "kernels").mkdir(mode=0o700)
     assert _libcache._cache_folder(folder) is None
+
+
+@needs_cc
+@pytest.mark.parametrize("how", ["a file where the cache would be", "an immutable cache folder"])
+def test_a_cache_that_cannot_be_used_is_named_in_the_variant_note(stub_env, monkeypatch, tmp_path, how):
+    # The kernels were then built in a private temporary folder by every process (a minute
+    # each) while explain said nothing of it.
+    if how.startswith("a file"):
+        (tmp_path / "afile").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile"))
+    else:
+        if os.getuid() != 0 or shutil.which("chattr") is None:
+            pytest.skip("chattr +i needs root and chattr")
+        stub_env.mkdir(parents=True, mode=0o700)
+        if subprocess.run(["chattr", "+i", str(stub_env)], capture_output=True).returncode != 0:
+            pytest.skip("this file system has no immutable attribute")
+    try:
+        simd._library.cache_clear()
+        note = simd.variant_note()
+    finally:
+        if not how.startswith("a file"):
+            subprocess.run(["chattr", "-i", str(stub_env)], check=True)
+    assert note.startswith("simd kernels: avx512"), note
+    assert f"built for this process only in {_libcache._PRIVATE_TEMP[-1]}" in note, note
+    assert "since the cache could not be used: " in note, note
 
 
 @needs_cc

@@ -182,8 +182,10 @@ def test_a_kernel_that_disagrees_with_torch_is_refused_at_the_first_call(monkeyp
 
 def test_build_is_cached_atomically_and_reused(fresh_library, monkeypatch):
     assert simd._library()[1] is None
-    built = sorted(p.name for p in (fresh_library / "blockdiag" / "kernels").iterdir())
-    assert len(built) == 1 and built[0].startswith("simd-") and built[0].endswith(".so"), built  # no temp files
+    names = sorted(p.name for p in (fresh_library / "blockdiag" / "kernels").iterdir())
+    built = [n for n in names if not n.endswith(".lock")]
+    assert len(built) == 1 and built[0].startswith("simd-") and built[0].endswith(".so"), names  # no temp files
+    assert names == sorted([*built, f".{built[0]}.lock"]), names  # and the build lock (an empty file) stays
     # A second process-level lookup finds the file and compiles nothing.
     simd._library.cache_clear()
     monkeypatch.setattr(simd, "_build", lambda *a: pytest.fail("rebuilt although the library was cached"))

@@ -21,6 +21,7 @@ import stat
 import struct
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -333,14 +334,63 @@ def _load(path: Path) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
         os.close(fd)
 
 
+# How long a process waits for another one building the same library (both compiles of
+# ``_build``, with OpenMP and without, may each take COMPILE_TIMEOUT_S) before building its own
+# copy in a private temporary folder instead.
+LOCK_TIMEOUT_S = 2 * COMPILE_TIMEOUT_S + 60
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, what: str):
+    """Hold the lock file beside ``path`` (``flock``); yields why it could not be taken in time, or None.
+
+    Processes making their first call at once into one cache (``torchrun``, ``pytest -n``)
+    each compiled the library and renamed it over the others' copy, and one whose copy was
+    replaced while it loaded judged it unusable for its lifetime. Under the lock one builds
+    and the others find its library. ``flock`` goes with the holder's last descriptor, so a
+    killed holder leaves no stale lock. A lock file that cannot be made (a read-only cache)
+    is done without: loading a library needs no lock, and building there fails anyway.
+    """
+    import fcntl  # POSIX only, as are the compiled backends
+
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield None
+        return
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield (f"another process has held {lock} for over {LOCK_TIMEOUT_S:g} s "
+                           f"while building {what}")
+                    return
+                time.sleep(0.05)
+        yield None
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _fetch(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
     """The library at ``path``, built there first if missing or damaged: ``(found, why not, final)``.
 
     ``build(path)`` compiles it (why it failed, or None; OSError when the folder cannot be
     written); ``use(library, path)`` gives ``(found, why not)`` for a loaded library; ``what``
     names it in messages. ``final``: the failure is the compiler's or the library's, which
-    another folder would not change.
+    another folder would not change. Other processes wait meanwhile (:func:`_build_lock`).
     """
+    with _build_lock(path, what) as busy:
+        if busy is not None:
+            return None, busy, False
+        return _fetch_locked(path, build, use, what)
+
+
+def _fetch_locked(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
     stale = None
     if os.path.lexists(path):
         lib, stale = _load(path)
@@ -373,4 +423,11 @@ def _cached(name: str, fetch, what: str) -> tuple[Optional[object], Optional[str
     except OSError as e:
         return None, f"no usable folder for {what}: {why}; no private temporary folder either: {e}"
     found, why2, _ = fetch(temp / name)
+    if found is not None:
+        UNCACHED[name] = f"built for this process only in {temp}, since the cache could not be used: {why}"
     return found, None if found is not None else f"{why2} (the cache could not be used: {why})"
+
+
+# Library name -> why this process built it outside the cache (every process then compiles it
+# again: about a minute each, which ``blockdiag explain`` should account for).
+UNCACHED: dict = {}

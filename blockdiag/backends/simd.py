@@ -108,6 +108,7 @@ from ._registry import F32_F64, Backend, register
 from ..ops import OpEntry, define
 from . import _simd_ops
 from ._libcache import (
+    UNCACHED,
     VERSION_TIMEOUT_S,
     CompilerHung,
     _cached,
@@ -207,7 +208,8 @@ def _choose_variant(cpu: str) -> tuple[Optional[str], Optional[str]]:
     return runs[0], None
 
 
-# What _library() last built or found: {"variant": ..., "openmp": bool or None, "forced": bool}.
+# What _library() last built or found: {"variant": ..., "openmp": bool or None, "forced": bool,
+# "uncached": why it was built outside the cache, or None}.
 _INFO: dict = {}
 
 
@@ -230,8 +232,9 @@ def variant_note() -> str:
     v = _INFO.get("variant")
     threads = {True: "OpenMP threads", False: "serial: the compiler has no OpenMP", None: "threads unknown"}
     forced = f", forced by {ISA_ENV}" if _INFO.get("forced") else ""
+    uncached = f"; {_INFO['uncached']}" if _INFO.get("uncached") else ""
     return (f"simd kernels: {v} ({_VARIANT_ISA.get(v, v)}; {threads[_INFO.get('openmp')]}{forced}); "
-            f"{_simd_ops.note()}")
+            f"{_simd_ops.note()}{uncached}")
 
 
 def _build(cc: tuple[str, ...], source_dir: Path, target: Path, flags: tuple = ()) -> Optional[str]:
@@ -352,7 +355,9 @@ def _library_once() -> tuple[Optional[dict], Optional[str]]:
     for name in _SOURCES:
         digest.update((source_dir / name).read_bytes())
     name = f"simd-{chosen}-{digest.hexdigest()[:20]}.so"
-    return _cached(name, lambda path: _load_or_build(cc, source_dir, path, chosen), "the compiled kernels")
+    found = _cached(name, lambda path: _load_or_build(cc, source_dir, path, chosen), "the compiled kernels")
+    _INFO["uncached"] = UNCACHED.get(name)
+    return found
 
 
 _library.cache_clear = _library_cache_clear  # forgets both caches (a forced variant, tests)

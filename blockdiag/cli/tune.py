@@ -66,7 +66,10 @@ def cmd_tune(args) -> int:
         kept["entry"] = merge_entry(stored, new)
         return kept["entry"]
 
-    written = prof.save_entry(entry, path, merge=merge)
+    try:
+        written = prof.save_entry(entry, path, merge=merge)
+    except BlockDiagError as e:  # a full disk, a folder made read-only meanwhile
+        raise BlockDiagError(f"{e}; {_rescued(entry)}") from None
     entry = kept["entry"]
     wins: dict[str, int] = {}
     for m in entry["measurements"]:
@@ -99,6 +102,29 @@ def cmd_tune(args) -> int:
         with _writing("--plot", args.plot):
             print(f"decision map: {plot_decision_map(entry, args.plot)}")
     return 0
+
+
+def _rescued(entry: dict) -> str:
+    """Save the measured ``entry`` somewhere else when its profile cannot be written; where, said.
+
+    A tune measures for minutes before it writes: the entry goes to a profile of its own in a
+    new private temporary folder (usable with ``--profile``), else onto stdout as JSON.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .. import profile as prof
+    from .._errors import BlockDiagError
+
+    try:
+        spare = Path(tempfile.mkdtemp(prefix="blockdiag-tune-")) / "profile.json"
+        prof.save_entry(entry, spare)
+    except (OSError, BlockDiagError) as e:
+        print(json.dumps(entry, indent=1, sort_keys=True))
+        return f"the measured entry could not be saved elsewhere either ({e}) and was printed on stdout"
+    return (f"the measurements were saved to {spare} instead: use it with --profile or "
+            "$BLOCKDIAG_PROFILE, or copy its entry into the profile once that can be written")
 
 
 def cmd_explain(args) -> int:
