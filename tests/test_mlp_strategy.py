@@ -638,6 +638,11 @@ def test_on_cpu_one_grouped_layer_in_training_runs_the_layers(own, train, monkey
     # faster or level.
     model = _one_grouped_layer()
     if own != "table":
+        times = {c.name: c.estimate_us for c in model.layers[1].plan(torch.empty(256, 500, requires_grad=train)).candidates}
+        if times.get(own) is None:
+            # The built-in table at this machine's thread count may hold another simd variant's
+            # times (1 thread on an AVX-512 AMD EPYC: avx2 only): no estimate to compare.
+            pytest.skip(f"the table in use has no {own} time at this shape on this machine")
         inner = GroupedLinear.plan
 
         def plan(self, x):
