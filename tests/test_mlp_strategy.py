@@ -701,6 +701,40 @@ def test_eager_auto_runs_the_heads_where_the_rule_says(rule, rows, grad, want, m
         assert not heads_spy and model.plan(x).strategy == "layers"
 
 
+@pytest.mark.parametrize("limit, rows, grad, want", [
+    pytest.param((840, 8, 7), 7, True, "heads", id="at-every-bound"),
+    pytest.param((841, 8, 7), 7, True, "fm_chain", id="smaller-hidden"),
+    pytest.param((840, 9, 7), 7, True, "fm_chain", id="smaller-block"),
+    pytest.param((840, 8, 8), 7, True, "fm_chain", id="fewer-rows"),
+    pytest.param((840, 8, 7), 7, False, "fm_chain", id="inference"),
+])
+def test_eager_auto_runs_the_heads_where_the_hidden_layer_is_large(limit, rows, grad, want, monkeypatch, chain_spy, heads_spy):
+    # _model's widest hidden layer is 3 heads x 5 units, 7 rows of float64: 840 bytes; its
+    # smallest grouped block has 8 elements. EAGER_HEADS_RULE is out of reach here.
+    monkeypatch.setattr(mlp_mod, "EAGER_HEADS_RULE", (10**9, 1, 1))
+    monkeypatch.setattr(mlp_mod, "HEADS_MIN_HIDDEN_BYTES", limit)
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", lambda self, x: (True, "test", 1.0, 2.0, self._layer_plans(x)))
+    model, ref = _model(), _model("layers")
+    x = _x(model, rows)
+    with torch.set_grad_enabled(grad):
+        plan = model.plan(x)
+        assert plan.strategy == want
+        y = model(x)
+        assert (len(heads_spy), len(chain_spy)) == ((1, 0) if want == "heads" else (0, 1))
+        torch.testing.assert_close(y, ref(x), **F64)
+    if want == "heads":
+        assert "HEADS_MIN_HIDDEN_BYTES" in plan.reason and "840 bytes" in plan.reason
+
+
+def test_eager_auto_runs_the_heads_at_the_compiled_benchs_large_point():
+    # bench --compiled's mlp point of 2048 rows, 256 heads of 64x64, float32: each layer-wise
+    # tensor of the hidden width is 128 MiB, a fresh mmap faulted in on every step, where
+    # the heads make one (the output), as the loop of nn.Linear heads does.
+    model = GroupedMLP(64, [64], 64, heads=256)
+    assert model.plan(torch.empty(2048, 64)).strategy == "heads"
+    assert model.plan(torch.empty(256, 64)).strategy != "heads"  # 16 MiB
+
+
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
 def test_compiled_chain_under_cpu_autocast_trains_as_eager(amp_dtype):
     # The traced chain's last product is blockdiag::fm_rows (block_out 32 pays the row write),

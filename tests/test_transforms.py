@@ -1099,6 +1099,33 @@ def test_traced_auto_runs_the_heads_where_the_rule_says(rule, runs_heads, how, c
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("limit, how, runs_heads", [
+    pytest.param((5 * 12 * 8, 8, 5), "static", True, id="static-at-the-bounds"),
+    pytest.param((5 * 12 * 8 + 1, 8, 5), "static", False, id="static-smaller-hidden"),
+    pytest.param((5 * 12 * 8, 9, 5), "static", False, id="static-smaller-block"),
+    pytest.param((5 * 12 * 8, 8, 6), "static", False, id="static-fewer-rows"),
+    pytest.param((8, 8, 1), "dynamic", False, id="symbolic-batch"),
+])
+def test_traced_auto_runs_the_heads_where_the_hidden_layer_is_large(limit, how, runs_heads, monkeypatch):
+    # HEADS_MIN_HIDDEN_BYTES reads the batch: only a graph at a concrete one follows it.
+    # _mlp's widest hidden layer is 3 heads x 4 units, float64; 5 rows: 480 bytes.
+    ran = []
+    inner = GroupedMLP._forward_heads
+    monkeypatch.setattr(GroupedMLP, "_forward_heads", lambda self, x: ran.append(1) or inner(self, x))
+    monkeypatch.setattr(mlp_module, "TRACED_HEADS_RULE", ())
+    monkeypatch.setattr(mlp_module, "HEADS_MIN_HIDDEN_BYTES", limit)
+    model = _mlp("auto")
+    torch._dynamo.reset()
+    x, gy = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    compiled = torch.compile(model, fullgraph=True, dynamic=how == "dynamic")
+    y, grads = _mlp_grads(compiled, x, gy)
+    assert bool(ran) == runs_heads, ran
+    _, ref = _mlp_grads(model, x, gy)
+    torch.testing.assert_close(y, _heads_output(model, x))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("blocker", ["named-backend", "layer-hook", "activation-hook", "other-device"])
 def test_traced_auto_keeps_off_the_heads_where_they_are_not_allowed(blocker, monkeypatch):
     ran = []

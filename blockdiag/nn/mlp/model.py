@@ -15,8 +15,9 @@ from ...ops._define import _records, rows_pay
 from ...ops.fm_rows import fm_rows
 from ..linear import GroupedLinear
 from . import heads as _heads
+from . import strategy as _strategy
 from .activations import _check_activation, _in_place
-from .strategy import EAGER_HEADS_RULE, STRATEGIES, MLPPlan, StrategyChoice
+from .strategy import STRATEGIES, MLPPlan, StrategyChoice
 
 
 class GroupedMLP(StrategyChoice, nn.Module):
@@ -56,7 +57,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
       It reads the parameters directly, so it refuses what ``"fm_chain"`` refuses. ``auto``
       runs it where it is allowed and the shapes call for it: a traced ``auto``
       (``torch.compile``, ``torch.export``) where ``TRACED_HEADS_RULE`` says, eager ``auto``
-      in training where ``EAGER_HEADS_RULE`` says (large blocks, many heads, large batches).
+      in training where ``EAGER_HEADS_RULE`` says (large blocks, many heads, large batches)
+      or ``HEADS_MIN_HIDDEN_BYTES`` does (a hidden layer of 32 MB or more over every head, 256
+      rows or more).
     - ``"auto"`` (default): the heads where they are allowed and ``EAGER_HEADS_RULE`` (or,
       traced, ``TRACED_HEADS_RULE``) says, else the chain where it is allowed and measured
       faster, else ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
@@ -315,11 +318,19 @@ class GroupedMLP(StrategyChoice, nn.Module):
         if why is not None:
             return MLPPlan("layers", "auto", f"the chain is not allowed here: {why}", layers=plans)
         if any(p.problem.requires_grad for p in plans) and self._eager_heads_pay(x):
-            area, heads, rows = EAGER_HEADS_RULE
+            if self._eager_heads_rule(x):
+                area, heads, rows = _strategy.EAGER_HEADS_RULE
+                return MLPPlan("heads", "auto", (
+                    f"allowed, in training, and every grouped block has at least {area} elements, with {heads} heads "
+                    f"or more and {rows} rows or more (EAGER_HEADS_RULE): there the heads one after another were "
+                    "faster than the chain and the layers in scripts/bench_mlp_heads.py's timings"), layers=plans)
+            limit, least, fewest = _strategy.HEADS_MIN_HIDDEN_BYTES
+            size = self._hidden_bytes(x.shape[:-1].numel(), x.element_size())
             return MLPPlan("heads", "auto", (
-                f"allowed, in training, and every grouped block has at least {area} elements, with {heads} heads "
-                f"or more and {rows} rows or more (EAGER_HEADS_RULE): there the heads one after another were "
-                "faster than the chain and the layers in scripts/bench_mlp_heads.py's timings"), layers=plans)
+                f"allowed, in training, every grouped block has at least {least} elements, the batch at least "
+                f"{fewest} rows, and a hidden layer's "
+                f"output over every head is {size} bytes, at least {limit} (HEADS_MIN_HIDDEN_BYTES): glibc maps "
+                "tensors that large afresh on every step, and the heads' hidden tensors are one head's"), layers=plans)
         chain, reason, chain_us, layers_us, plans = self._measured_choice(x)
         return MLPPlan("fm_chain" if chain else "layers", "auto", reason, chain_us, layers_us, plans)
 

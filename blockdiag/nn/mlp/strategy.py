@@ -168,6 +168,22 @@ TRACED_HEADS_RULE = ((256 * 256, None), (64 * 64, 4))
 EAGER_HEADS_RULE = (256 * 256, 16, 256)
 
 
+# Eager ``auto`` also runs the heads on a device type in HEADS_DEVICES, in training, where a
+# hidden layer's output over every head comes to at least the first number of bytes, every
+# grouped block to at least the second number of elements and the batch to at least the third
+# number of rows. Above 32 MB glibc's malloc serves
+# every allocation from a fresh mmap (its dynamic threshold stops there), so each tensor the
+# chain or the layers make at the hidden width (the product, the activation, their gradients)
+# faults its pages in again on every step, where a head's hidden tensors are small and reused
+# from the heap. At 2048 rows, 256 heads of 64x64, float32 (134 MB hidden), a training step
+# faulted 5 such tensors with the layers and the chain, 1 (the output) with the heads and the
+# loop, and the layers took about 1.4x the heads' CPU time, compiled too (the heads level with
+# the loop, eager and compiled). The floors keep the heads' per-call cost out: at 64x64 they
+# were level with the layers at 2048 rows and 4 heads, and with 4096 heads of 128 rows (the
+# same 134 MB) slower than the layers, where 2048 heads of 256 rows were still faster.
+HEADS_MIN_HIDDEN_BYTES = (32 << 20, 64 * 64, 256)
+
+
 class StrategyChoice:
     """``GroupedMLP``'s choice of strategy (a mixin: the model's own state, read where it decides)."""
 
@@ -326,11 +342,27 @@ class StrategyChoice:
         return min(sizes) if sizes else None
 
     def _eager_heads_pay(self, x: torch.Tensor) -> bool:
-        """``EAGER_HEADS_RULE`` (shapes only; the caller checked the heads are allowed and in training)."""
+        """``EAGER_HEADS_RULE`` or ``HEADS_MIN_HIDDEN_BYTES`` (shapes only; the caller checked the
+        heads are allowed and in training)."""
+        return self._eager_heads_rule(x) or self._eager_heads_hidden(x)
+
+    def _eager_heads_rule(self, x: torch.Tensor) -> bool:
         area, heads, rows = EAGER_HEADS_RULE
         smallest = self._smallest_grouped_block()
         return (x.device.type in HEADS_DEVICES and smallest is not None and smallest >= area
                 and self.heads >= heads and x.shape[:-1].numel() >= rows)
+
+    def _eager_heads_hidden(self, x: torch.Tensor) -> bool:
+        limit, least, fewest = HEADS_MIN_HIDDEN_BYTES
+        smallest = self._smallest_grouped_block()
+        rows = x.shape[:-1].numel()
+        return (x.device.type in HEADS_DEVICES and smallest is not None and smallest >= least
+                and rows >= fewest and self._hidden_bytes(rows, x.element_size()) >= limit)
+
+    def _hidden_bytes(self, rows: int, itemsize: int) -> int:
+        """The largest hidden layer's output over every head, in bytes (0 without a hidden layer)."""
+        widths = [layer.out_features for layer in tuple(self._modules["layers"]._modules.values())[:-1]]
+        return rows * max(widths, default=0) * itemsize
 
     def _traced_strategy(self, x: torch.Tensor) -> str:
         """``auto``'s strategy while dynamo traces: the heads where ``TRACED_HEADS_RULE`` says,
@@ -340,18 +372,33 @@ class StrategyChoice:
         return "fm_chain" if self._traced_runs_chain(x) else "layers"
 
     def _traced_runs_heads(self, x: torch.Tensor) -> bool:
-        """Whether a traced ``auto`` runs the heads (``TRACED_HEADS_RULE``; shapes only, no batch)."""
+        """Whether a traced ``auto`` runs the heads (``TRACED_HEADS_RULE``, shapes only, no batch; or
+        ``HEADS_MIN_HIDDEN_BYTES`` at a concrete batch)."""
         if x.device.type not in HEADS_DEVICES:
             return False
         layers = tuple(self._modules["layers"]._modules.values())
         smallest = self._smallest_grouped_block()
         if smallest is None or x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
             return False
-        if not any(smallest >= area and (most is None or self.heads <= most) for area, most in TRACED_HEADS_RULE):
+        if (not any(smallest >= area and (most is None or self.heads <= most) for area, most in TRACED_HEADS_RULE)
+                and not self._traced_hidden_pays(x, smallest)):
             return False
         if any(layer._backend != "auto" for layer in layers):
             return False
         return self._chain_refusal(x, traced=True, strategy="heads") is None
+
+    def _traced_hidden_pays(self, x: torch.Tensor, smallest: int) -> bool:
+        """``HEADS_MIN_HIDDEN_BYTES`` in a traced training graph at a concrete batch (a graph
+        serving every batch size keeps ``TRACED_HEADS_RULE``, which reads no batch)."""
+        limit, least, fewest = HEADS_MIN_HIDDEN_BYTES
+        if smallest < least or not torch.is_grad_enabled():
+            return False
+        if not (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        rows = 1
+        for size in x.shape[:-1]:  # not Size.numel(), which makes a symbolic batch a number
+            rows = rows * size
+        return _concrete(rows) and rows >= fewest and self._hidden_bytes(rows, x.element_size()) >= limit
 
     def _traced_runs_chain(self, x: torch.Tensor) -> bool:
         """``auto``'s decision while dynamo traces: eager's at a concrete batch, else the device rule.
