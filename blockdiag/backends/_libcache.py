@@ -350,6 +350,8 @@ def _build_lock(path: Path, what: str):
     and the others find its library. ``flock`` goes with the holder's last descriptor, so a
     killed holder leaves no stale lock. A lock file that cannot be made (a read-only cache)
     is done without: loading a library needs no lock, and building there fails anyway.
+    (``profile._locked`` polls the same way; this module imports nothing of the package, so
+    that processes can load it alone, as tests/test_native_hardening.py's racers do.)
     """
     import fcntl  # POSIX only, as are the compiled backends
 
