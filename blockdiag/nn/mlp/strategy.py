@@ -171,16 +171,14 @@ EAGER_HEADS_RULE = (256 * 256, 16, 256)
 # Eager ``auto`` also runs the heads on a device type in HEADS_DEVICES, in training, where a
 # hidden layer's output over every head comes to at least the first number of bytes, every
 # grouped block to at least the second number of elements and the batch to at least the third
-# number of rows. Above 32 MB glibc's malloc serves
-# every allocation from a fresh mmap (its dynamic threshold stops there), so each tensor the
-# chain or the layers make at the hidden width (the product, the activation, their gradients)
-# faults its pages in again on every step, where a head's hidden tensors are small and reused
-# from the heap. At 2048 rows, 256 heads of 64x64, float32 (134 MB hidden), a training step
-# faulted 5 such tensors with the layers and the chain, 1 (the output) with the heads and the
-# loop, and the layers took about 1.4x the heads' CPU time, compiled too (the heads level with
-# the loop, eager and compiled). The floors keep the heads' per-call cost out: at 64x64 they
-# were level with the layers at 2048 rows and 4 heads, and with 4096 heads of 128 rows (the
-# same 134 MB) slower than the layers, where 2048 heads of 256 rows were still faster.
+# number of rows. Above 32 MB glibc's malloc serves every allocation from a fresh mmap (its
+# dynamic threshold stops there), so each tensor the chain or the layers make at the hidden
+# width (the product, the activation, their gradients) faults its pages in again on every
+# step, where a head's hidden tensors are small and reused from the heap, as the nn.Linear
+# loop's are. The floors keep the heads' per-call cost out: with small blocks, or many heads
+# of few rows over the same bytes, the heads were slower than the layers in the timings of
+# ``blockdiag bench --compiled`` (its mlp model) and of the shapes this rule was set from
+# (the changelog of 2026-12-07 names them).
 HEADS_MIN_HIDDEN_BYTES = (32 << 20, 64 * 64, 256)
 
 
