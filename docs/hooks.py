@@ -326,7 +326,11 @@ def _load(name: str) -> dict:
     path = RESULTS / name
     if not path.exists():
         raise FileNotFoundError(f"docs: a page names docs/results/{name}, which does not exist")
-    return json.loads(path.read_text())
+    d = json.loads(path.read_text())
+    if d.get("complete") is False:  # a bench run stopped part way: its summary is not the grid's
+        raise ValueError(f"docs: docs/results/{name} holds a bench run stopped after {d.get('points_done')} of "
+                         f"{d.get('points_total')} points; publish a complete run")
+    return d
 
 
 def _git_added(name: str) -> str:

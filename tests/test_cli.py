@@ -95,6 +95,7 @@ def test_bench_json(tmp_path, capsys, monkeypatch):
     doc = json.loads(out_json.read_text())
     assert set(doc["summary"]) == {"forward", "train"}
     assert len(doc["rows"]) == 4
+    assert doc["complete"] is True and doc["points_done"] == doc["points_total"] == 4
     for r in doc["rows"]:
         assert r["auto"] in names() and r["auto"] not in r["skipped"]
         # The derived columns follow from the recorded times (each rounded on its own).
@@ -1046,3 +1047,49 @@ def test_results_name_their_commit_and_whether_it_was_edited(tmp_path, monkeypat
     assert len(clean["commit"]) == 40 and clean["commit_dirty"] is False
     (pkg / "_run.py").write_text("x = 2\n")
     assert _run._provenance()["commit_dirty"] is True
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["bench", "bench-compiled"])
+def test_bench_json_keeps_the_points_measured_before_the_run_stops(compiled, tmp_path, capsys, monkeypatch):
+    # A run killed part way (a timeout, Ctrl-C, a later point failing) used to lose every
+    # point: the file was written only at the end. Here the third point is interrupted.
+    import blockdiag.tuning._bench as bench_mod
+    import blockdiag.tuning._compiled as compiled_mod
+
+    mod, name = (compiled_mod, "_bench_compiled_point") if compiled else (bench_mod._tuning, "measure")
+    real, calls = getattr(mod, name), []
+
+    def stops_at_the_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, name, stops_at_the_third)
+    out_json = tmp_path / "b.json"
+    argv = ["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]
+    argv += ["--compiled", "linear", "--compiler", "eager", "--groups", "2,3,4"] if compiled else []
+    assert main(argv) == 130  # the CLI's exit status for an interrupt
+    doc = json.loads(out_json.read_text())
+    assert doc["complete"] is False
+    assert (doc["points_done"], doc["points_total"]) == (2, 3 if compiled else 4)
+    assert len(doc["rows"]) == 2 and doc["summary"] and "argv" in doc and "torch" in doc
+
+
+def test_bench_json_goes_on_measuring_when_a_save_part_way_fails(tmp_path, capsys, monkeypatch):
+    real, calls = profile.write_json_atomic, []
+
+    def full_disk_once(path, obj):
+        calls.append(obj["complete"])
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(profile, "write_json_atomic", full_disk_once)
+    out_json = tmp_path / "b.json"
+    assert main(["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("cannot save the run so far") == 1 and "No space left on device" in err
+    assert calls == [False, False, False, True]
+    doc = json.loads(out_json.read_text())
+    assert doc["complete"] is True and len(doc["rows"]) == 4

@@ -127,3 +127,14 @@ def test_the_simd_blas_grads_results_render_every_row(hooks):
         assert f"| {r['weight_blas_over_kernels']:.2f} | {'–' if step is None else f'{step:.2f}'} | {runs} |" in text
     for label in ("BLAS, BLAS", "kernels, BLAS", "kernels, kernels"):
         assert f"\n| {label} | " in text
+
+
+def test_a_bench_run_stopped_part_way_is_not_published(hooks, tmp_path, monkeypatch):
+    # bench --json saves a run as it goes; a file it left part way has a summary of the
+    # points it reached, not of the grid, so the docs refuse it.
+    (tmp_path / "partial.json").write_text('{"complete": false, "points_done": 2, "points_total": 48, "rows": []}')
+    (tmp_path / "whole.json").write_text('{"complete": true, "rows": []}')
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    with pytest.raises(ValueError, match="stopped after 2 of 48 points"):
+        hooks._load("partial.json")
+    assert hooks._load("whole.json") == {"complete": True, "rows": []}

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_grid_options(b, "targets", "profile file auto reads")
     b.add_argument("--json", type=_path, metavar="FILE",
-                   help="also write all results (with peak memory) as JSON (default: none, the table only)")
+                   help="also write all results (with peak memory) as JSON, saved after each point and marked "
+                        "complete at the end (default: none, the table only)")
     b.add_argument("--no-baselines", action="store_true", help="skip the nn.Linear loop and vmap baselines")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs of --json")
     b.add_argument("--refine", type=_finite_nonneg_float, default=BENCH_REFINE, metavar="FRACTION",

@@ -22,6 +22,42 @@ from ._checks import (
 from ._run import _announce, _looping, _point_costs, _print_faults, _provenance, _runnable_names, _writing
 
 
+class _Saver:
+    """``--json``'s writer. The run so far is saved after each point, marked ``"complete":
+    false`` with ``points_done`` of ``points_total``, so that a run stopped part way (a
+    timeout, Ctrl-C, a failure at a later point) keeps what it measured; the end of the
+    run saves it all as ``"complete": true``. Every write is atomic (``write_json_atomic``).
+    A failed save part way is said once on stderr and the measuring goes on: the final save
+    raises the command's error, after the table is printed."""
+
+    def __init__(self, args, head: dict, summarize) -> None:
+        self.args, self.head, self.summarize = args, {**head, **_provenance()}, summarize
+        self.warned = False
+
+    def _out(self, rows: list, total: int, complete: bool) -> dict:
+        return {**self.head, "complete": complete, "points_done": len(rows), "points_total": total,
+                "summary": self.summarize(rows), "rows": rows}
+
+    def partial(self, rows: list, total: int) -> None:
+        from .. import profile as prof
+
+        if len(rows) >= total:  # the final save follows
+            return
+        try:
+            prof.write_json_atomic(self.args.json, self._out(rows, total, False))
+        except OSError as e:
+            if not self.warned:
+                self.warned = True
+                print(f"--json: cannot save the run so far to {self.args.json!r}: {e}; measuring goes on",
+                      file=sys.stderr)
+
+    def final(self, rows: list) -> None:
+        from .. import profile as prof
+
+        with _writing("--json", self.args.json):
+            prof.write_json_atomic(self.args.json, self._out(rows, len(rows), True))
+
+
 def _builtin_columns(r: dict) -> str:
     b = r.get("builtin_choice")
     t = r["times_us"].get(b) if b else None
@@ -124,23 +160,24 @@ def _bench_compiled(args, grid, modes) -> int:
     _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
               fmt.estimate_line(points, steps, "modules", args.repeat, args.min_time, args.device,
                                 "compiling adds seconds to minutes per point", loops=loops))
+    saver = _Saver(args, {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+                          "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                          "statistic": args.stat, "rounds": args.repeat, "refine": args.refine,
+                          "argv": sys.argv[1:],
+                          "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
+                          "allocator_env": allocator_env()}, summarize_compiled) if args.json else None
     rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
                           backends=args.backends, rounds=args.repeat, min_time=args.min_time,
                           baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
-                          refine=args.refine, compiler=args.compiler, progress=sys.stderr)
+                          refine=args.refine, compiler=args.compiler, progress=sys.stderr,
+                          on_row=saver.partial if saver else None)
     summary = summarize_compiled(rows)
     # The results file first if printing fails (see cmd_bench).
     try:
         _print_compiled_table(args, rows, bd, summary)
     finally:
-        if args.json:
-            out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
-                   "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-                   "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
-                   "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
-                   "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-            with _writing("--json", args.json):
-                prof.write_json_atomic(args.json, out)
+        if saver:
+            saver.final(rows)
     if args.json:
         print(f"wrote {args.json}")
     return 0
@@ -230,24 +267,24 @@ def cmd_bench(args) -> int:
                                              ", --json's peak-memory runs more")
     _announce("bench", args, len(points), modes, args.json or "nothing (no --json)",
               fmt.estimate_line(points, steps, what, args.repeat, args.min_time, args.device, more, loops=loops))
+    saver = _Saver(args, {"device_name": prof.device_name(args.device), "torch": torch.__version__,
+                          "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                          "statistic": args.stat, "rounds": args.repeat, "refine": args.refine,
+                          "argv": sys.argv[1:], "allocator_env": allocator_env()}, summarize) if args.json else None
     with ctx:
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
-                     stat=args.stat, refine=args.refine, progress=sys.stderr)
+                     stat=args.stat, refine=args.refine, progress=sys.stderr,
+                     on_row=saver.partial if saver else None)
     summary = summarize(rows)
     # The results file first if printing fails (stdout piped into head, a full disk): a
     # closed pipe lost the whole run's --json.
     try:
         _print_table(args, rows, summary)
     finally:
-        if args.json:
-            out = {"device_name": prof.device_name(args.device), "torch": torch.__version__,
-                   "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-                   "statistic": args.stat, "rounds": args.repeat, "refine": args.refine, "argv": sys.argv[1:],
-                   "allocator_env": allocator_env(), **_provenance(), "summary": summary, "rows": rows}
-            with _writing("--json", args.json):
-                prof.write_json_atomic(args.json, out)
+        if saver:
+            saver.final(rows)
     if args.json:
         print(f"wrote {args.json}")
     return 0

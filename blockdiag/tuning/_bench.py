@@ -7,7 +7,7 @@ intervals.
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Optional, Sequence, TextIO
+from typing import Callable, Iterable, Optional, Sequence, TextIO
 
 import torch
 
@@ -60,6 +60,7 @@ def bench(
     stat: str = "median",
     refine: float = BENCH_REFINE,
     progress: Optional[TextIO] = None,
+    on_row: Optional[Callable[[list[dict], int], None]] = None,
 ) -> list[dict]:
     """Time every backend, ``auto``, the ideal GEMM and the baselines at each grid point.
 
@@ -73,6 +74,8 @@ def bench(
         min_time: seconds each sample should last (see :func:`measure`).
         stat: ``"median"`` or ``"min"`` of the samples (see :func:`measure`).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
+        on_row: called after each point with the rows so far and the number of points, so
+            that a caller can save a long run as it goes (``bench --json`` does).
         refine: after the rounds, ``auto``, the chosen backend's bare kernel, the ``nn.Linear``
             loop and the backends within this fraction of the fastest (the fastest, and
             ``auto``'s choice forced by name, always; under a profile the built-in table's
@@ -109,6 +112,8 @@ def bench(
             row["skipped_point"] = f"{p.flops / 1e9:.1f} GFLOP > --max-gflop {max_gflop:g}"
             rows.append(row)
             bar.step("skipped (too large)")
+            if on_row is not None:
+                on_row(rows, len(problems))
             continue
         ok, skipped = _runnable(p, backends)
         x, w, b, gy = _inputs(p)
@@ -172,6 +177,8 @@ def bench(
             row["peak_bytes"] = {n: peak_memory(steps[n]) for n in ok if n not in failed}
         rows.append(row)
         bar.step(f"{p.mode} B={p.batch} G={p.groups} {p.block_in}x{p.block_out}: auto/fastest {row['auto_over_fastest']}")
+        if on_row is not None:
+            on_row(rows, len(problems))
     return rows
 
 

@@ -246,6 +246,7 @@ def bench_compiled(
     dynamic: Optional[bool] = False,
     compiler: str = "inductor",
     progress: Optional[TextIO] = None,
+    on_row: Optional[Callable[[list[dict], int], None]] = None,
 ) -> list[dict]:
     """Time ``torch.compile`` of GroupedLinear and GroupedMLP against compiled peers, per point.
 
@@ -271,6 +272,8 @@ def bench_compiled(
         min_time: seconds each sample should last (see :func:`measure`).
         stat: ``"median"`` or ``"min"`` of the samples (see :func:`measure`).
         progress: a stream for the progress bar (e.g. ``sys.stderr``), or None.
+        on_row: called after each point and model with the rows so far and the number of
+            them the run makes, so that a caller can save a long run as it goes.
         modes: ``"train"`` (forward and backward, the default) and/or ``"forward"`` (under
             ``no_grad``).
         models: a subset of :data:`COMPILED_MODELS`.
@@ -323,6 +326,8 @@ def bench_compiled(
             row["skipped_point"] = f"{gflop:.1f} GFLOP > --max-gflop {max_gflop:g}"
             rows.append(row)
             bar.step(f"{what}: skipped (too large)")
+            if on_row is not None:
+                on_row(rows, len(work))
             continue
         torch._dynamo.reset()
         try:
@@ -335,6 +340,8 @@ def bench_compiled(
         cp = row["compiled_over_best_peer"].get("auto")
         bar.step(f"{what}: compiled/eager {ce if ce is not None else '-'}, compiled/peer {cp if cp is not None else '-'}"
                  + (f", {len(row['failed'])} failed" if row["failed"] else ""))
+        if on_row is not None:
+            on_row(rows, len(work))
     return rows
 
 
