@@ -600,10 +600,36 @@ def _one_group_choice(p: Problem, ok: list[str], entry: Optional[dict]) -> Optio
     return next((n for n in ok if getattr(reg.get(n), "dense_matrix", False)), None)
 
 
+# A table's grid has blocks of several inputs (the built-in one: 10 and more). With one input
+# per group each block is an outer product, with nothing to reduce: the backends that call a
+# library GEMM (batched, per group or through a convolution) run it with k = 1, where the
+# GEMM's packing and blocking have no reduction to spread over, so their time over the
+# fastest at the neighbours (all of larger k) does not carry over, and the blend handed such
+# shapes a GEMM backend slower than the nn.Linear loop. So unless the table itself measured
+# one input per group in this mode, `auto` ranks such a problem as one nothing was measured
+# near: by the device's preference order (FALLBACK_ORDER).
+ONE_INPUT_RULE = ("one input per group: each block is an outer product, which the table measured no "
+                  "shape of (its neighbours' times are of GEMMs that reduce); first runnable backend "
+                  "in the preference order")
+
+
+# Where the rule applies: on CPU the preference order starts with simd, whose outer product
+# has no GEMM behind it. On CUDA every backend of the order is a library GEMM too, so the
+# rule would only trade one GEMM at k = 1 for another, unmeasured: the blend stands there.
+ONE_INPUT_DEVICES = ("cpu",)
+
+
+def _one_input_applies(p: Problem, entry: Optional[dict]) -> bool:
+    """Whether :data:`ONE_INPUT_RULE` sets the table's times aside for ``p``."""
+    return p.block_in == 1 and p.groups > 1 and p.device in ONE_INPUT_DEVICES and not any(
+        m["block_in"] == 1 and m["mode"] == p.mode for m in (entry or {}).get("measurements", []))
+
+
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     ok, notes = _screen(p, None, {k: v for k, v, _ in settings}, "choose")
 
-    estimates, used = blended_times(p, entry)
+    one_input = _one_input_applies(p, entry)
+    estimates, used = ({}, []) if one_input else blended_times(p, entry)
     exact = bool(used) and used[0][0] == 0.0
 
     measured = sorted((n for n in ok if n in estimates), key=lambda n: estimates[n])
@@ -632,6 +658,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     asked = str(p.dtype).replace("torch.", "")
     if one_group is not None:
         reason = ONE_GROUP_RULE
+    elif one_input:
+        reason = ONE_INPUT_RULE
     elif measured:
         near = used[0][1]
         at = f"batch={near['batch']} groups={near['groups']} block={near['block_in']}x{near['block_out']}"
@@ -659,6 +687,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     for n in ranked:
         # An entry may say why a backend has no times (profile.fit_variant: another simd variant).
         unmeasured_note = (entry or {}).get("not_measured", {}).get(n, "not measured")
+        if one_input:
+            unmeasured_note = "placed by the preference order (one input per group)"
         note = ("chosen; " if n == best else "") + (how if n in estimates else unmeasured_note)
         if n == best and one_group is not None:
             note = "chosen by the one-group rule; the fastest time blended here" if n in estimates else "chosen by the one-group rule"

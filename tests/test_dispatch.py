@@ -588,6 +588,41 @@ def test_one_group_without_a_dense_backend_ranks_by_the_table(monkeypatch):
     assert plan.backend != "dense" and plan.reason != dispatch.ONE_GROUP_RULE
 
 
+# ------------------------------------------------------------------ one input per group
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_one_input_per_group_ranks_by_the_preference_order(train, dtype):
+    # The built-in table measured blocks of 10 inputs and more: its neighbours rank GEMMs
+    # that reduce, which do not carry over to an outer product (k = 1); blended, they handed
+    # 256 rows of 64 groups of 1x64 to bmm_fm in forward.
+    plan = choose(Problem(256, 64, 1, 64, dtype, requires_grad=train))
+    runnable = [c.name for c in plan.candidates if c.ok]
+    order = [n for n in FALLBACK_ORDER["cpu"] if n in runnable]
+    assert plan.backend == order[0] and runnable[: len(order)] == order
+    assert "one input per group" in plan.reason and not plan.neighbours
+    assert all(c.estimate_us is None for c in plan.candidates if c.ok)
+    # Two inputs per group: the table ranks again.
+    assert "one input per group" not in choose(Problem(256, 64, 2, 64, dtype, requires_grad=train)).reason
+
+
+def test_one_input_per_group_keeps_the_blend_on_cuda():
+    # Every backend of CUDA's preference order is a GEMM: the rule would trade one for another.
+    plan = choose(Problem(256, 64, 1, 64, torch.float32, device="cuda"))
+    assert "one input per group" not in plan.reason
+
+
+def test_one_input_per_group_follows_a_table_that_measured_it(prof):
+    prof(point(batch=256, groups=64, block_in=1, block_out=64, bmm=5.0, loop=9.0),
+         point(batch=256, groups=64, block_in=10, block_out=64, bmm=9.0, loop=5.0))
+    assert choose(Problem(256, 64, 1, 64)).backend == "bmm"
+    plan = choose(Problem(512, 32, 1, 32))
+    assert "one input per group" not in plan.reason and plan.neighbours
+    # Measured in the other mode only: the rule still applies to this one.
+    assert choose(Problem(256, 64, 1, 64, requires_grad=True)).reason == dispatch.ONE_INPUT_RULE
+
+
 def test_one_group_auto_matches_the_reference():
     torch.manual_seed(0)
     layer = blockdiag.GroupedLinear(20, 30, groups=1, dtype=torch.float64)
