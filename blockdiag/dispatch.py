@@ -625,6 +625,44 @@ def _one_input_applies(p: Problem, entry: Optional[dict]) -> bool:
         m["block_in"] == 1 and m["mode"] == p.mode for m in (entry or {}).get("measurements", []))
 
 
+# A table measured in float32 only (the built-in one) ranks a bfloat16 or float16 problem from
+# float32 times. For a backend that computes the half dtype in float32 (``Backend.upcasts``:
+# ``simd`` on CPU) those times hold, casts aside; for the others they do not: their half
+# kernels can be many times slower than their float32 ones (on a CPU without half arithmetic,
+# torch's half GEMMs convert inside their inner loops). So where the table has no entry of
+# the problem's dtype, the backends that upcast it rank first. A table measured in that dtype
+# (``blockdiag tune --dtype bfloat16``) ranks them all by their own times.
+UPCAST_RULE = ("computed in float32: the table has no entry of this dtype, and only a backend that "
+               "computes it in float32 runs at the speed of its float32 times")
+
+
+def half_upcast(device: str, dtype: torch.dtype) -> bool:
+    """Whether :data:`UPCAST_RULE` applies to ``dtype`` on ``device`` now: the table in force has
+    no entry of that dtype, and an available backend computes it in float32 there.
+
+    Shape-free, for callers that plan around the layers (``GroupedMLP``'s strategies run
+    torch's half kernels where the layers would run in float32). Marked for dynamo as
+    ``torch.compiler.assume_constant_result`` marks: a traced graph records the answer.
+    """
+    if not any(dtype in b.upcasts.get(device, ()) for b in registry().values()):
+        return False
+    entry = _table_in_force(Problem(1, 2, 1, 1, dtype, device))[0]
+    if (entry or {}).get("dtype") in (None, str(dtype).replace("torch.", "")):
+        return False
+    return any(dtype in b.upcasts.get(device, ()) and b.unavailable_reason() is None for b in registry().values())
+
+
+half_upcast._dynamo_marked_constant = True
+
+
+def _upcasting(p: Problem, ok: list[str], entry: Optional[dict]) -> list[str]:
+    """The runnable backends that :data:`UPCAST_RULE` ranks first for ``p`` (none where it does not apply)."""
+    if (entry or {}).get("dtype") in (None, str(p.dtype).replace("torch.", "")):
+        return []
+    reg = registry()
+    return [n for n in ok if p.dtype in getattr(reg.get(n), "upcasts", {}).get(p.device, ())]
+
+
 def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     ok, notes = _screen(p, None, {k: v for k, v, _ in settings}, "choose")
 
@@ -639,7 +677,11 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         key=lambda n: order.index(n) if n in order else len(order),
     )
     ranked = measured + unmeasured
-    one_group = _one_group_choice(p, ok, entry)
+    upcast = _upcasting(p, ok, entry)
+    if upcast:
+        ranked = [n for n in ranked if n in upcast] + [n for n in ranked if n not in upcast]
+    # The one-group rule's plain GEMM is a half GEMM too where the upcast rule applies.
+    one_group = None if upcast else _one_group_choice(p, ok, entry)
     if one_group is not None:
         ranked.remove(one_group)
         ranked.insert(0, one_group)
@@ -660,6 +702,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
         reason = ONE_GROUP_RULE
     elif one_input:
         reason = ONE_INPUT_RULE
+    elif best in upcast:
+        reason = f"{UPCAST_RULE} ({table_dtype} table; {best} casts {asked} up)"
     elif measured:
         near = used[0][1]
         at = f"batch={near['batch']} groups={near['groups']} block={near['block_in']}x{near['block_out']}"

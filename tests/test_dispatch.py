@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,48 @@ def test_auto_never_picks_a_backend_of_reduced_precision_there(prof, fake_backen
             cuda = choose(Problem(batch, groups, block, block, torch.float32, "cuda"))
             assert cuda.backend not in ("conv", "bsr"), str(cuda)
         assert choose(Problem(2048, 4, 256, 256, torch.bfloat16, "cuda")).backend == "conv"  # the table's pick
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_half_dtype_without_its_table_ranks_the_upcasting_backend_first(fake_backend, monkeypatch, dtype):
+    # The built-in (float32) table ranks a half problem from float32 times, which hold for a
+    # backend that computes it in float32 and not for the half kernels of the others (bf16 on
+    # a CPU without bf16 arithmetic: bmm_fm, auto's pick from the float32 times, was 10x and
+    # more slower). "up", never measured, is the only backend declaring it upcasts here.
+    monkeypatch.setitem(_registry._REGISTRY, "simd", dataclasses.replace(_registry.get("simd"), upcasts={}))
+    fake_backend("up", upcasts={"cpu": frozenset({torch.bfloat16, torch.float16})})
+    for train in (False, True):
+        plan = choose(Problem(256, 4, 10, 10, dtype, requires_grad=train))
+        assert plan.backend == "up" and plan.reason.startswith(dispatch.UPCAST_RULE), str(plan)
+        assert "float32 table; up casts" in plan.reason
+    for other in (torch.float32, torch.float64):  # not upcast: ranked by the times
+        assert choose(Problem(256, 4, 10, 10, other)).backend != "up"
+
+
+def test_a_half_dtype_with_its_own_table_ranks_by_its_times(fake_backend):
+    # blockdiag tune --dtype bfloat16 measured them all: the table decides.
+    fake_backend("up", upcasts={"cpu": frozenset({torch.bfloat16})})
+    write(Path(os.environ["BLOCKDIAG_PROFILE"]), entry([point(groups=4, up=3.0, loop=1.0)], dtype=torch.bfloat16))
+    try:
+        plan = choose(Problem(256, 4, 10, 10, torch.bfloat16))
+    finally:
+        profile.clear_cache()
+    assert plan.backend == "loop" and dispatch.UPCAST_RULE not in plan.reason, str(plan)
+
+
+def test_the_built_in_table_runs_bf16_on_cpu_in_simd():
+    from blockdiag.backends import get
+
+    if get("simd").unavailable_reason() is not None:
+        pytest.skip(f"simd is unavailable here: {get('simd').unavailable_reason()}")
+    for train in (False, True):
+        for shape in [(256, 50, 10, 10), (2048, 4, 150, 10), (32, 16, 64, 64)]:
+            plan = choose(Problem(*shape, torch.bfloat16, requires_grad=train))
+            assert plan.backend == "simd", str(plan)
+        # One group (GroupedMLP's shared first layer): F.linear would run in bfloat16 too.
+        assert choose(Problem(256, 1, 150, 500, torch.bfloat16, requires_grad=train)).backend == "simd"
+    assert choose(Problem(256, 1, 150, 500, torch.float32)).backend == "dense"
 
 
 def test_sparse_backends_only_at_or_above_the_threshold(prof, fake_backend):
@@ -560,8 +603,9 @@ def test_empty_shapes_rank_without_error(prof):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_one_group_runs_the_plain_gemm(train, dtype):
+    # (bfloat16: the upcast rule comes first, test_the_built_in_table_runs_bf16_on_cpu_in_simd.)
     # The built-in table measured grouped shapes only; its neighbours rank the layout
     # shuffles around the one GEMM, and its crossovers keep dense off for the groups' sake.
     plan = choose(Problem(1024, 1, 150, 500, dtype, requires_grad=train))

@@ -735,6 +735,41 @@ def test_eager_auto_runs_the_heads_at_the_compiled_benchs_large_point():
     assert model.plan(torch.empty(256, 64)).strategy != "heads"  # 16 MiB
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_half_dtype_without_its_table_runs_the_layers_that_compute_in_float32(dtype, monkeypatch, chain_spy,
+                                                                                heads_spy):
+    # The layers' simd computes the half dtype in float32 (UPCAST_RULE); the chain and the
+    # heads would run torch's half kernels, which the float32 table does not describe (on a
+    # CPU without half arithmetic the forum model ran the chain 7x slower than the layers).
+    monkeypatch.setattr(mlp_mod, "half_upcast", lambda device, dtype: True)
+    monkeypatch.setattr(mlp_mod, "EAGER_HEADS_RULE", (1, 1, 1))  # the heads would pay by shape
+    torch.manual_seed(0)
+    model = GroupedMLP(6, [5, 4], 2, heads=3, dtype=dtype)
+    ref = GroupedMLP(6, [5, 4], 2, heads=3, dtype=torch.float64, strategy="layers")
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    x = torch.randn(7, 6, dtype=dtype)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            assert model.plan(x).strategy == "layers"
+            torch.testing.assert_close(model(x).double(), ref(x.double()), atol=3e-2, rtol=3e-2)
+    assert not chain_spy and not heads_spy
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled(x).float().sum().backward()
+    assert not chain_spy and not heads_spy
+
+
+def test_the_built_in_table_runs_a_bf16_mlp_on_cpu_in_the_layers():
+    from blockdiag.backends import get
+
+    if get("simd").unavailable_reason() is not None:
+        pytest.skip(f"simd is unavailable here: {get('simd').unavailable_reason()}")
+    model = GroupedMLP(150, [10, 10], 1, heads=50, dtype=torch.bfloat16)
+    plan = model.plan(torch.empty(256, 150, dtype=torch.bfloat16))
+    assert plan.strategy == "layers" and "UPCAST_RULE" in plan.reason, str(plan)
+    assert all(p.backend == "simd" for p in plan.layers), str(plan)
+    assert GroupedMLP(150, [10, 10], 1, heads=50).plan(torch.empty(256, 150)).strategy == "fm_chain"
+
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
 def test_compiled_chain_under_cpu_autocast_trains_as_eager(amp_dtype):
     # The traced chain's last product is blockdiag::fm_rows (block_out 32 pays the row write),

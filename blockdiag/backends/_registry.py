@@ -133,6 +133,11 @@ class Backend:
             cuDNN runs float32 convolutions in TF32 unless
             ``torch.backends.cudnn.allow_tf32`` is off, where float32 matmuls stay float32).
             ``auto`` never picks it there; naming it still runs it.
+        upcasts: for each device type, the dtypes it computes in float32 (``simd`` on CPU:
+            bfloat16 and float16, cast up, run in its float32 kernels, each result rounded
+            once). Where the table in use has no entry of that dtype, ``auto`` ranks such
+            backends first (:data:`blockdiag.dispatch.UPCAST_RULE`): the other backends'
+            float32 times say nothing of their half-precision kernels.
     """
 
     name: str
@@ -150,6 +155,7 @@ class Backend:
     isolates_groups: bool = True
     loops_groups: bool = False
     reduced_precision: Mapping[str, tuple[frozenset, str]] = field(default_factory=dict)
+    upcasts: Mapping[str, frozenset] = field(default_factory=dict)
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""

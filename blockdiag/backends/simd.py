@@ -548,10 +548,28 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -
             f"got {got[at].item():.9g}, expected {want[at].item():.9g} (rtol {rtol:g}, atol {atol:g})")
 
 
+# The half dtypes are computed in float32: the operands are cast up, the float32 kernels run,
+# and each result is rounded once to the half dtype. That is as precise as torch's own half
+# products on CPU (which accumulate in float32), and on a CPU without half arithmetic the
+# casts cost far less than torch's half GEMMs, which convert inside their inner loops.
+UPCAST = frozenset({torch.bfloat16, torch.float16})
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute ``dtype`` in (float32 for the half dtypes)."""
+    return torch.float32 if dtype in UPCAST else dtype
+
+
+def _up(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.float()
+
+
 def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in the C kernels."""
     if x.numel() == 0 or weight.numel() == 0:
         return bmm_fm_forward(x, weight, bias)  # empty or bias-only: torch's ops
+    if x.dtype in UPCAST:
+        return _kernel_forward(_up(x), _up(weight), _up(bias)).to(x.dtype)
     native = _simd_ops.ops(x.dtype)
     if native is not None:
         try:
@@ -565,6 +583,10 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     """The gradients, computed by the kernels (first order)."""
     if x.numel() == 0 or weight.numel() == 0:
         return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
+    if gy.dtype in UPCAST:
+        gx, gw, gb = _kernel_backward(_up(gy), _up(x), _up(weight), has_bias, need_x, need_w)
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
+                None if gb is None else gb.to(gy.dtype))
     native = _simd_ops.ops(gy.dtype)
     if native is not None:
         try:
@@ -591,10 +613,10 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
 def _operands_check(x, weight, bias) -> Optional[str]:
     if x.numel() == 0 or weight.numel() == 0:
         return None
-    why = self_check(x.dtype)
+    why = self_check(compute_dtype(x.dtype))
     if why is not None:
         return f"{why}; choose another backend"
-    _prepare_ops(x.dtype)
+    _prepare_ops(compute_dtype(x.dtype))
     return None
 
 
@@ -711,7 +733,8 @@ BACKEND = register(
     Backend(
         name="simd",
         fn=simd,
-        dtypes={"cpu": F32_F64},
+        dtypes={"cpu": F32_F64 | UPCAST},
+        upcasts={"cpu": UPCAST},
         probe=_probe,
         summary=("blockdiag's own kernels (AVX-512, AVX2+FMA or NEON), compiled for this CPU: "
                  "register-blocked, no layout copies"),

@@ -17,7 +17,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ... import settings as _settings
-from ...dispatch import Plan
+from ...dispatch import UPCAST_RULE, Plan, half_upcast
 from ...ops.auto import route_token, traced_routes
 from ..linear import _compile_guard
 from .activations import _act_hooked, _hooked, _random
@@ -341,8 +341,9 @@ class StrategyChoice:
 
     def _eager_heads_pay(self, x: torch.Tensor) -> bool:
         """``EAGER_HEADS_RULE`` or ``HEADS_MIN_HIDDEN_BYTES`` (shapes only; the caller checked the
-        heads are allowed and in training)."""
-        return self._eager_heads_rule(x) or self._eager_heads_hidden(x)
+        heads are allowed and in training), unless the layers compute in float32 where the
+        heads' ``nn.Linear`` would run a half dtype's kernels (``UPCAST_RULE``)."""
+        return (self._eager_heads_rule(x) or self._eager_heads_hidden(x)) and not half_upcast(x.device.type, x.dtype)
 
     def _eager_heads_rule(self, x: torch.Tensor) -> bool:
         area, heads, rows = EAGER_HEADS_RULE
@@ -382,6 +383,9 @@ class StrategyChoice:
                 and not self._traced_hidden_pays(x, smallest)):
             return False
         if any(layer._backend != "auto" for layer in layers):
+            return False
+        _compile_guard(_settings.generation, _settings._local.key)  # the table in force decides the next check
+        if half_upcast(x.device.type, x.dtype):
             return False
         return self._chain_refusal(x, traced=True, strategy="heads") is None
 
@@ -424,9 +428,11 @@ class StrategyChoice:
         rows = 1
         for size in x.shape[:-1]:  # not Size.numel(), which makes a symbolic batch a number
             rows = rows * size
+        _compile_guard(_settings.generation, _settings._local.key)
+        if half_upcast(x.device.type, x.dtype):
+            return False  # the layers compute in float32, the chain in the half dtype (UPCAST_RULE)
         if not _concrete(rows):  # a symbolic batch: the graph serves every batch size
             return x.device.type in CHAIN_WHEREVER_ALLOWED
-        _compile_guard(_settings.generation, _settings._local.key)
         # Decided as in training where a random activation runs (see _auto_strategy).
         grad = torch.is_grad_enabled() or self._random_acts()
         return _traced_measured_choice(self, rows, grad, x.requires_grad)
@@ -462,6 +468,11 @@ class StrategyChoice:
             fm, own = by_name.get("bmm_fm"), by_name.get(plan.backend)
             chain_us = None if chain_us is None or fm is None or not fm.ok or fm.estimate_us is None else chain_us + fm.estimate_us
             layers_us = None if layers_us is None or own is None or own.estimate_us is None else layers_us + own.estimate_us
+        upcast = [plan for plan in plans if plan.reason.startswith(UPCAST_RULE)]
+        if upcast:
+            return False, (f"the layers' {upcast[0].backend} computes {str(x.dtype).replace('torch.', '')} in "
+                           "float32, where the chain would run torch's kernels of that dtype, which the table "
+                           "(of another dtype) does not describe (UPCAST_RULE)"), chain_us, layers_us, plans
         if chain_us is None or layers_us is None:
             missing = "fm_chain" if chain_us is None else "layers"
             return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
