@@ -109,7 +109,7 @@ def block_diag_mask(
         f"block_shape must be two positive ints (rows, cols), got {block_shape!r}",
     )
     r, c = block_shape
-    return BlockLayout(groups, r, c).mask(device).clone()
+    return BlockLayout(groups, r, c).mask(device)
 
 
 def _two_positive_ints(v) -> bool:
@@ -330,7 +330,10 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         )
         idx = torch.arange(groups, device=matrix.device)
         blocks = m[idx, :, idx, :]  # [G, r, c]
-        off = matrix.ne(0) & ~BlockLayout(groups, r, c).mask(matrix.device)
+        # The non-zeros with the diagonal blocks cleared in place: one bool tensor the size of
+        # the matrix, where a mask and its complement would be two more.
+        off = matrix.ne(0).contiguous()  # a view below needs it (a transposed matrix gives a transposed one)
+        off.view(groups, r, groups, c)[idx, :, idx, :] = False
         # A meta matrix holds no values to check: its blocks are taken as they are.
         if not matrix.is_meta and bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])

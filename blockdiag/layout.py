@@ -1,8 +1,10 @@
 """``BlockLayout``: the geometry of a block-diagonal matrix and its cached index tensors.
 
-Index tensors (CSR row pointers, column indices, COO indices, the dense mask) depend only on
+Index tensors (CSR row pointers, column indices, COO indices) depend only on
 ``(groups, block_out, block_in)`` and the device, so they are built once and cached here
-instead of on every forward call.
+instead of on every forward call. The dense mask is built afresh on each call: it has an
+entry for every entry of the full matrix (``groups**2`` blocks), no product reads it, and
+cached it would hold a matrix-sized tensor per shape for the life of the process.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class BlockLayout:
         return _get(_coo_indices, self.groups, self.block_out, self.block_in, _dev(device))
 
     def mask(self, device: torch.device) -> torch.Tensor:
-        """Bool ``[rows, cols]`` mask, True inside the diagonal blocks."""
-        return _get(_mask, self.groups, self.block_out, self.block_in, _dev(device))
+        """Bool ``[rows, cols]`` mask, True inside the diagonal blocks: a new tensor (not cached)."""
+        return _mask(self.groups, self.block_out, self.block_in, _dev(device))
 
 
 def _dev(device: torch.device | str | None) -> torch.device:
@@ -99,7 +101,6 @@ def _coo_indices(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
     return torch.stack([row, col])
 
 
-@functools.lru_cache(maxsize=256)
 def _mask(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
     eye = torch.eye(g, dtype=torch.bool, device=device)
     return eye[:, None, :, None].expand(g, r, g, c).reshape(g * r, g * c)

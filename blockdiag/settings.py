@@ -215,6 +215,13 @@ def config(**settings: Any) -> Iterator[None]:
         BlockDiagError: unknown setting or out-of-range value.
     """
     frame = {k: _validate(k, v, "config") for k, v in settings.items()}
+    if torch.compiler.is_compiling():
+        # Dynamo would only simulate this block's thread-local frame, while the plans of the
+        # layers inside it are made, and their plan state read, from the real settings when
+        # the graph is traced: the compiled code would silently run the plan of the settings
+        # outside the block. A graph break runs the block eagerly; the layers inside it are
+        # compiled on their own, under these settings, and guarded on them.
+        torch._dynamo.graph_break()
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(frame)
     _local.key = _stack_id(stack)

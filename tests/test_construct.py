@@ -305,3 +305,28 @@ def test_layout_cache_is_not_poisoned_by_fake_tensors():
     torch.testing.assert_close(block_diag_coo(w).to_dense(), torch.block_diag(*w))
     x = torch.randn(4, 21)
     torch.testing.assert_close(blockdiag.grouped_linear(x, w, backend="csr"), x @ torch.block_diag(*w).T)
+
+
+def test_to_blocks_and_block_diag_mask_keep_no_matrix_sized_mask():
+    # The mask has an entry per entry of the full [G*r, G*c] matrix: cached per shape, each
+    # to_blocks of a dense matrix (and each block_diag_mask) held one for the process's life.
+    import gc
+
+    def bool_tensors(shape):
+        gc.collect()
+        return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                and tuple(t.shape) == shape]
+
+    shape = (3 * 5, 3 * 7)
+    before = len(bool_tensors(shape))
+    w = torch.randn(3, 5, 7)
+    torch.testing.assert_close(blockdiag.to_blocks(blockdiag.block_diag_dense(w), 3), w)
+    torch.testing.assert_close(blockdiag.to_blocks(blockdiag.block_diag_dense(w.transpose(1, 2)).t(), 3), w)
+    mask = blockdiag.block_diag_mask(3, (5, 7))
+    assert mask.sum() == 3 * 5 * 7
+    del mask
+    assert len(bool_tensors(shape)) == before
+    with pytest.raises(BlockDiagError, match=r"non-zero 1\.0 at \(0, 7\)"):
+        m = blockdiag.block_diag_dense(w)
+        m[0, 7] = 1.0
+        blockdiag.to_blocks(m, 3)

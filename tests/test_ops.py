@@ -587,3 +587,59 @@ def test_a_dtype_the_backend_declines_is_refused_after_another_dtype_of_the_same
     op(x, w, None)  # float32 of this shape: validated, and remembered
     with pytest.raises(BlockDiagError, match="does not support float16"):
         op(x.half(), w.half(), None)  # not torch's NotImplementedError from inside the kernel
+
+
+# --------------------------------------------------------------------------- saved tensors
+
+
+@pytest.mark.parametrize("route", [pytest.param("eager", id="eager"), pytest.param("op", id="op")])
+@pytest.mark.parametrize("name", ALL)
+def test_a_frozen_weight_does_not_keep_the_input_alive(name, route):
+    # Only the weight gradient reads the input: with a frozen weight nn.Linear frees its
+    # input once the next layer is done with it, and so must every backend (otherwise each
+    # frozen layer holds an activation until backward).
+    import gc
+    import weakref
+
+    require_backend(name)
+    if name == "conv":
+        pytest.skip("conv records torch's convolution, whose autograd saves its input as nn.Conv1d's does")
+    x, w, b = _operands(SHAPE, torch.float32, False, True)
+    x.requires_grad_(True)
+    gy = torch.randn(SHAPE[0], SHAPE[1] * SHAPE[3])
+    # A dispatch mode sends the call through the registered op instead of the eager route.
+    mode = FlopCounterMode(display=False) if route == "op" else contextlib.nullcontext()
+    with mode:
+        h = x * 2  # an activation only the graph may hold
+        ref = weakref.ref(h)
+        y = grouped_linear(h, w, b, backend=name)
+        del h
+        gc.collect()
+        assert ref() is None, f"{name}: the input of a frozen-weight product is kept until backward"
+        (gx,) = torch.autograd.grad(y, x, gy)
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference_loop(2 * xr, w.double(), b.double()), xr, gy.double())
+    torch.testing.assert_close(gx, gr.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_frozen_weight_in_bfloat16_neither_keeps_nor_copies_the_input():
+    # simd computes bfloat16 in float32: the stand-in kept for the backward is cast one row,
+    # not expanded to a full float32 copy, and the input gradient is the reference's.
+    import gc
+    import weakref
+
+    require_backend("simd")
+    x, w, b = (t.to(torch.bfloat16) for t in _operands(SHAPE, torch.float32, False, True))
+    x.requires_grad_(True)
+    gy = torch.randn(SHAPE[0], SHAPE[1] * SHAPE[3], dtype=torch.bfloat16)
+    h = x * 2
+    ref = weakref.ref(h)
+    y = grouped_linear(h, w, b, backend="simd")
+    del h
+    gc.collect()
+    assert ref() is None
+    (gx,) = torch.autograd.grad(y, x, gy)
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference_loop(2 * xr, w.double(), b.double()), xr, gy.double())
+    assert gx.dtype == torch.bfloat16
+    torch.testing.assert_close(gx.double(), gr, rtol=2e-2, atol=2e-2)

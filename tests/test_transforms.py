@@ -461,6 +461,22 @@ def test_compiled_auto_under_forward_ad_takes_no_native_route():
     _close(got, want, torch.float32, what="forward-AD tangent through the compiled layer")
 
 
+def test_compiled_auto_inside_torch_cond_trains():
+    # torch.cond traces its branches below autograd (ADInplaceOrView excluded), where the
+    # native route's forward-AD probe (_unpack_dual) hit an internal assert of torch's and
+    # the route's C++ ops would be recorded without the autograd Function that differentiates them.
+    w, b, x, gy, _want = _simd_chosen()
+    layer = _layer("auto", w, b)
+
+    def run(xx):
+        return torch.cond(xx.sum() > -1e9, lambda t: layer(t), lambda t: 2 * layer(t), (xx,))
+
+    _check(_run_module(run, (layer.weight, layer.bias), x, gy), _reference(x, w, b, gy), torch.float32, "cond")
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    _check(_run_module(compiled, (layer.weight, layer.bias), x, gy), _reference(x, w, b, gy), torch.float32,
+           "compiled cond")
+
+
 def test_a_graph_compiled_before_any_eager_call_records_simds_cpp_ops():
     # The usual order, a model compiled right away: in a fresh process no simd call has
     # armed the C++ ops when dynamo traces, so tracing arms them (OpEntry.prepare_ops)
@@ -641,6 +657,28 @@ def test_static_graph_follows_a_config_block(batch_varying_profile, tmp_path):
     assert {"aten.bmm.default", "aten.baddbmm.default"} & seen[-1], sorted(seen[-1])
     _run_module(compiled, (layer.weight, layer.bias), x, gy)
     assert len(seen) == 2  # outside the block: the first graph, cached
+
+
+def test_a_config_block_inside_a_compiled_function_is_followed(batch_varying_profile, tmp_path):
+    # Dynamo traced the block's thread-local frame only symbolically, while the layer planned,
+    # and read its plan state, from the real settings: the compiled function silently ran the
+    # plan of the settings outside the block (conv), not the block's (bmm), as eager does.
+    other = _write_winner("bmm", INLINED_AT, tmp_path / "bmm.json")
+    w, b = _params(torch.float32)
+    layer = _layer("auto", w, b)
+    x, gy = torch.randn(INLINED_AT, G * I), torch.randn(INLINED_AT, G * O)
+    with blockdiag.config(profile=other):
+        assert layer.plan(x.requires_grad_()).backend == "bmm"
+
+    def step(xx):
+        with blockdiag.config(profile=other):
+            return layer(xx)
+
+    compiled = torch.compile(step, backend=_graph_ops()[0])
+    got = _run_module(compiled, (layer.weight, layer.bias), x, gy)  # traces
+    _check(got, _reference(x, w, b, gy), torch.float32, "config block inside the compiled function")
+    ran = _aten_ops_run(lambda: _run_module(compiled, (layer.weight, layer.bias), x, gy))
+    assert "aten::convolution" not in ran and {"aten::bmm", "aten::baddbmm"} & ran, sorted(ran)
 
 
 def _aten_ops_run(fn) -> set[str]:

@@ -59,14 +59,16 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def _backward(dy, x, weight, has_bias, need_x, need_w):
     g, o, i = weight.shape
     n = x.shape[0]
-    x, weight = _aligned(x), _aligned(weight)
+    weight = _aligned(weight)
     dyg = _aligned(dy).view(n, g, o).transpose(0, 1)  # [G, N, out]
     dx = dw = db = None
     if need_x:
         dx = _gmm(dyg, weight).transpose(0, 1).reshape(n, g * i)
     if need_w:
         # dW[g] = dY[:, g]^T @ X[:, g]: compact [G, out, in], never the dense matrix.
-        dw = _gmm(dyg.transpose(1, 2), x.view(n, g, i).transpose(0, 1))
+        # x aligned only here: without a weight gradient it may be a stand-in
+        # (ops._define.kept_for_backward), which aligning would copy to full size.
+        dw = _gmm(dyg.transpose(1, 2), _aligned(x).view(n, g, i).transpose(0, 1))
     if has_bias:
         db = dy.sum(0)
     return dx, dw, db

@@ -264,7 +264,6 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     n = x.shape[0]
     if x.numel() == 0 or weight.numel() == 0:
         return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
-    x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
     weight = weight.contiguous()
     gy, ldy = _rows(gy, g * o)
     gx = gw = gb = None
@@ -273,6 +272,8 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
         gx = x.new_empty(n, g * i)
         _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, ldy, weight, o * i, i, gx, i, g * i, g)
     if need_w:
+        # Only here: without a weight gradient x may be a stand-in (ops._define.kept_for_backward).
+        x, ldx = _rows(x, g * i)  # as the forward read it (a copy only if it made one)
         # gw_g [out, in] = gy_g^T @ x_g: the weight's own layout.
         gw = weight.new_empty(g, o, i)
         _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, ldy, x, i, ldx, gw, o * i, i, g)

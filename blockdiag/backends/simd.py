@@ -561,6 +561,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _up(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is not None and t.dim() == 2 and t.shape[0] > 1 and t.stride(0) == 0:
+        # The backward's stand-in for an input it does not read (ops._define.kept_for_backward):
+        # one row cast, still expanded, not a full-size copy.
+        return t[:1].float().expand(t.shape)
     return None if t is None else t.float()
 
 

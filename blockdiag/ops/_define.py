@@ -393,9 +393,24 @@ def _jvp(entry_call, ctx, tx, tw, tb, rows_dim: int = 0):
     return out
 
 
+def kept_for_backward(ctx, x: torch.Tensor) -> torch.Tensor:
+    """``x`` where the backward needs it, else a stand-in of its shape that holds one row.
+
+    Only the weight gradient reads the input's values. Saved regardless, a frozen layer's
+    input (the activation) lived until the backward, where ``nn.Linear`` frees it as soon as
+    the next layer is done with it. The stand-in has ``x``'s shape, dtype and device (the
+    kernels read ``n`` from it) and a unit column stride, so every kernel takes it as it
+    would ``x``. Plain tensors outside ``torch.func`` only: a subclass (DTensor, FakeTensor)
+    carries placements or guards that a stand-in would not.
+    """
+    if ctx.needs_input_grad[1] or type(x) not in _PLAIN or torch._C._are_functorch_transforms_active():
+        return x
+    return x.new_zeros((1,) * (x.dim() - 1) + x.shape[-1:]).expand(x.shape)
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias = inputs[:3]
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(kept_for_backward(ctx, x), weight)
     ctx.save_for_forward(x, weight)
     ctx.has_bias = bias is not None
     if _fwad._current_level >= 0:

@@ -69,6 +69,7 @@ LIB.define("auto_inline(Tensor x, Tensor weight, Tensor? bias, bool train, str s
 FORWARD = torch.ops.blockdiag.auto.default
 BACKWARD = torch.ops.blockdiag.auto_backward.default
 INLINE = torch.ops.blockdiag.auto_inline.default
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 
 
 # (rows, weight shape, dtype, device type, train, plain, epoch) -> backend name: the op runs
@@ -244,8 +245,14 @@ def _inline(x, weight, bias, train, state=""):
         # torch.compile tracing a torch.func transform: torch ops (see transform_forward).
         return _transform_forward(x, weight, train)(x, weight, bias)
     entry = _ENTRIES.get(choice(x, weight, train))
+    # Below autograd (ADInplaceOrView excluded: torch.cond tracing its branches, which it
+    # differentiates itself afterwards) the native route's C++ ops would be recorded without
+    # their autograd Function, and forward_ad_active's _unpack_dual reaches an inference-only
+    # kernel of torch's that asserts; the op and the eager route differentiate there.
     if entry is not None and entry.compiled_ops is not None and x.numel() and weight.numel() \
-            and route_token(entry.name, x.dtype) in state.split() and not forward_ad_active(x, weight, bias):
+            and route_token(entry.name, x.dtype) in state.split() \
+            and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AD_INPLACE_OR_VIEW) \
+            and not forward_ad_active(x, weight, bias):
         ops = entry.compiled_ops().get(x.dtype)
         if ops is not None and x.device.type == "cpu":
             return _NativeRoute.apply(x, weight, bias, ops)
