@@ -13,6 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blockdiag.backends import get
+
 from _params import backends_and_auto, require_backend
 from _strided import B_KINDS, GY_KINDS, W_KINDS, X_KINDS, check_against_reference
 
@@ -28,6 +30,29 @@ from _strided import B_KINDS, GY_KINDS, W_KINDS, X_KINDS, check_against_referenc
 )
 def test_every_backend_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
     require_backend(name)
+    check_against_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed)
+
+
+# The half dtypes on the backends that compute them in float32 (Backend.upcasts: simd on CPU)
+# and on auto, which ranks those first: the casts must see every operand kind as the kernels
+# do. Complex views have no bfloat16 dtype, so conj().imag is drawn in float16 only.
+UPCASTING = [p for p in backends_and_auto() if p.values[0] == "auto" or get(p.values[0]).upcasts.get("cpu")]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # float16 conj().imag
+@pytest.mark.parametrize("name", UPCASTING)
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    n=st.integers(1, 9), g=st.integers(1, 3), i=st.integers(1, 70), o=st.integers(1, 70),
+    xk=st.sampled_from(X_KINDS), wk=st.sampled_from(W_KINDS), bk=st.sampled_from(B_KINDS),
+    gk=st.sampled_from(GY_KINDS), seed=st.integers(0, 2**16),
+)
+def test_half_dtypes_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
+    require_backend(name)
+    if xk == "conj().imag":
+        dtype = torch.float16
     check_against_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed)
 
 

@@ -142,6 +142,35 @@ def test_forward_opcheck_other_shape(name):
     torch.library.opcheck(ops.forward_op(name), _fwd_args(name, x, w, b, True), test_utils=FULL_UTILS)
 
 
+# The half dtypes through the ops of each backend that declares them on CPU (simd computes them
+# in float32, each result rounded once), and auto's: the matrices above run float32 and float64.
+HALF = [pytest.param(dt, id=str(dt).removeprefix("torch.")) for dt in (torch.bfloat16, torch.float16)]
+HALF_CPU_OPS = [p for p in ALL if p.values[0] == "auto" or any(
+    dt in get(p.values[0]).dtypes.get("cpu", ()) for dt in (torch.bfloat16, torch.float16))]
+
+
+@pytest.mark.parametrize("grad", GRAD)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", HALF_CPU_OPS)
+def test_half_precision_forward_and_backward_ops_on_cpu(name, dtype, grad):
+    require_backend(name)
+    x, w, b = _operands(SHAPE, dtype, grad, True)
+    op = ops.forward_op(name)
+    args = _fwd_args(name, x, w, b, grad)
+    full = name == "simd" and grad  # AOT dispatch once per half dtype
+    torch.library.opcheck(op, args, test_utils=FULL_UTILS if full else CHEAP_UTILS)
+    y = op(*args)
+    assert y.dtype == dtype
+    _check_against_reference(y, x, w, b, dtype, grad, f"{name} forward op")
+    gy = torch.randn_like(y.detach())
+    bwd_args = (gy, x.detach(), w.detach(), True, True, True)
+    torch.library.opcheck(ops.backward_op(name), bwd_args, test_utils=CHEAP_UTILS)
+    _, *want = _ref_grads(x, w, b, gy)
+    for got, ref, label in zip(ops.backward_op(name)(*bwd_args), want, ("input", "weight", "bias")):
+        assert got.dtype == dtype, label
+        _close(got, ref, dtype, k=SHAPE[0], what=f"{name} backward op, {label}")
+
+
 # What blockdiag::auto_inline decomposes into at a concrete batch: a backend's torch ops with
 # torch's autograd (bmm_fm), its torch ops inside its own autograd Function (bmm_fm_bmm), or
 # the opaque blockdiag::auto (loop: not torch ops; bmm_fm_loop: its backward writes slices).

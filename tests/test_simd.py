@@ -168,6 +168,22 @@ def test_only_the_bias_needs_a_gradient(route):
     torch.testing.assert_close(gb, gy.sum(0))
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_a_half_precision_op_refuses_operands_of_another_dtype(half, route):
+    # The half dtypes are cast up to float32: without a check, a float32 weight passed for a
+    # half one (an exported float32 program fed half inputs ran and returned the half dtype).
+    other = torch.float16 if half == torch.bfloat16 else torch.bfloat16
+    x, w, b = torch.randn(7, 15, dtype=half), torch.randn(3, 4, 5, dtype=half), torch.randn(12, dtype=half)
+    for arg, args in (("weight", (x, w.float(), None)), ("weight", (x, w.to(other), b)),
+                      ("bias", (x, w, b.float())), ("bias", (x, w, b.to(other)))):
+        with pytest.raises(BlockDiagError, match=rf"simd: {arg} must be {half} like the input, got torch\."):
+            torch.ops.blockdiag.simd(*args)
+    gy = torch.randn(7, 12, dtype=half)
+    for arg, args in (("input", (gy, x.to(other), w)), ("weight", (gy, x, w.float()))):
+        with pytest.raises(BlockDiagError, match=rf"simd: {arg} must be {half} like the grad, got torch\."):
+            torch.ops.blockdiag.simd_backward(*args, True, True, True)
+
+
 def test_a_kernel_that_disagrees_with_torch_is_refused_at_the_first_call(monkeypatch):
     real = simd._grad_input
     monkeypatch.setattr(simd, "_grad_input", lambda gy, w: real(gy, w).mul_(2))

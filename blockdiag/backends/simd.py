@@ -568,11 +568,23 @@ def _up(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.float()
 
 
+def _same_dtype(like: str, dtype: torch.dtype, **operands: Optional[torch.Tensor]) -> None:
+    """BlockDiagError unless each operand has ``dtype``, as the kernels require of float32 and float64.
+
+    Cast up, operands of different dtypes would all be float32, and the product would run and
+    be rounded to one of them: a float32 weight would pass for a bfloat16 one.
+    """
+    for arg, t in operands.items():
+        if t is not None and t.dtype != dtype:
+            raise BlockDiagError(f"simd: {arg} must be {dtype} like the {like}, got {t.dtype}")
+
+
 def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``y[:, g*o:(g+1)*o] = x[:, g*i:(g+1)*i] @ weight[g].T + bias[g*o:(g+1)*o]``, in the C kernels."""
     if x.numel() == 0 or weight.numel() == 0:
         return bmm_fm_forward(x, weight, bias)  # empty or bias-only: torch's ops
     if x.dtype in UPCAST:
+        _same_dtype("input", x.dtype, weight=weight, bias=bias)
         return _kernel_forward(_up(x), _up(weight), _up(bias)).to(x.dtype)
     native = _simd_ops.ops(x.dtype)
     if native is not None:
@@ -588,6 +600,7 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     if x.numel() == 0 or weight.numel() == 0:
         return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
     if gy.dtype in UPCAST:
+        _same_dtype("grad", gy.dtype, input=x, weight=weight)
         gx, gw, gb = _kernel_backward(_up(gy), _up(x), _up(weight), has_bias, need_x, need_w)
         return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(gy.dtype))
