@@ -143,15 +143,22 @@ def test_the_fake_kernels_give_shapes_without_data(native):
     assert y.device.type == "meta" and y.shape == (7, 15)
 
 
-def test_a_call_autograd_would_record_is_refused(native):
+def test_a_gradient_through_the_ops_is_refused(native):
+    # A call autograd records runs (torch's higher-order ops re-trace graphs holding these ops
+    # with grad mode on, and never differentiate that re-trace), but a gradient reaching it
+    # raises: the ops have no derivative of their own, simd's op and Function hold it.
     x = torch.randn(4, 6, requires_grad=True)
     w = torch.randn(2, 3, 3)
+    y = native.forward(x, w, None)
+    torch.testing.assert_close(y.detach(), native.forward(x.detach(), w, None))
     with pytest.raises(RuntimeError, match="simd_native is one of simd's kernels and has no autograd"):
-        native.forward(x, w, None)
+        y.sum().backward()
+    gx, gw, gb = native.backward(torch.randn(4, 6), x, w, False, True, True)
+    assert gx.requires_grad and gw.requires_grad
     with pytest.raises(RuntimeError, match="simd_native_backward is one of simd's kernels"):
-        native.backward(torch.randn(4, 6), x, w, False, True, True)
+        gw.sum().backward()
     with torch.no_grad():
-        assert native.forward(x, w, None).shape == (4, 6)
+        assert not native.forward(x, w, None).requires_grad
     import torch.autograd.forward_ad as fwad
 
     with fwad.dual_level(), torch.no_grad():  # a tangent would be dropped: refused

@@ -477,6 +477,108 @@ def test_compiled_auto_inside_torch_cond_trains():
            "compiled cond")
 
 
+def _simd_chosen_model(kind):
+    """A training model whose every GroupedLinear plans simd at batch N (its C++ ops armed):
+    GroupedLinear(backend="auto") or GroupedMLP(strategy="layers"); skips where simd's C++ ops
+    are not ready."""
+    from _profiles import entry, point, write
+
+    from blockdiag import profile
+
+    _simd_chosen()  # arms simd's C++ ops (or skips)
+    times = {c: 10.0 for c in names() if c != "auto" and not get(c).unavailable_reason()}
+    times["simd"] = 1.0
+    write(profile.default_profile_path(), entry([point(mode="train", batch=N, groups=G, block_in=I, block_out=o, **times)
+                                                 for o in (O, I)]))
+    if kind == "linear":
+        model = _layer("auto", *_params(torch.float32))
+    else:
+        model = GroupedMLP(I, [I], O, heads=G, shared_input=False, strategy="layers")
+    for layer in model.modules():
+        if isinstance(layer, GroupedLinear):
+            p = layer.plan(layer.weight.new_empty(N, layer.in_features).requires_grad_()); assert p.backend == "simd", p
+    return model
+
+
+def _hop_reference(model, xs, gy, gc):
+    """The loop ``_hop_loss`` unrolls, in float64 eager: {name: gradient} and the loss."""
+    m64 = copy.deepcopy(model).double()
+    x64 = xs.detach().double().requires_grad_()
+    c = torch.zeros(N, G * O, dtype=torch.float64)
+    ys = []
+    for t in range(xs.shape[0]):
+        y = m64(x64[t])
+        c = c + y
+        ys.append(y)
+    loss = (torch.stack(ys) * gy.double()).sum() + (c * gc.double()).sum()
+    names_, params = zip(*m64.named_parameters())
+    grads = torch.autograd.grad(loss, (x64, *params))
+    return loss.detach(), dict(zip(("input", *names_), grads))
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="aot_eager")])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_auto_inside_scan_trains_where_it_takes_simds_cpp_ops(kind, compiled):
+    # scan traces its body, differentiates that graph, then re-traces the joint graph with grad
+    # mode on to functionalize it: the re-trace called simd's C++ ops (the native route's,
+    # recorded bare) on grad-requiring operands, which their Autograd kernels refused. The
+    # outputs and every gradient are the unrolled loop's.
+    from torch._higher_order_ops.scan import scan
+
+    model = _simd_chosen_model(kind)
+    t = 3
+    xs, gy, gc = torch.randn(t, N, G * I), torch.randn(t, N, G * O), torch.randn(N, G * O)
+
+    def body(c, x):
+        y = model(x)
+        return c + y, y
+
+    def loss(a):
+        c, ys = scan(body, torch.zeros(N, G * O), a)
+        return (ys * gy).sum() + (c * gc).sum()
+
+    run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+    a = xs.clone().requires_grad_()
+    got = run(a)
+    names_, params = zip(*model.named_parameters())
+    grads = dict(zip(("input", *names_), torch.autograd.grad(got, (a, *params))))
+    want_loss, want = _hop_reference(model, xs, gy, gc)
+    _close(got, want_loss, torch.float32, k=G * I * t, what="scan: loss")
+    for key, expected in want.items():
+        _close(grads[key], expected, torch.float32, k=G * I * t, what=f"scan: {key}")
+
+
+def test_auto_inside_map_and_while_loop_where_it_takes_simds_cpp_ops():
+    # The other higher-order ops that trace their body: map (trained, as scan) and
+    # while_loop (forward only: it has no autograd).
+    from torch._higher_order_ops.map import map as hop_map
+    from torch._higher_order_ops.while_loop import while_loop
+
+    model = _simd_chosen_model("linear")
+    w, b = model.weight.detach().double(), model.bias.detach().double()
+    xs, gy = torch.randn(3, N, G * I), torch.randn(3, N, G * O)
+    a = xs.clone().requires_grad_()
+    ys = hop_map(lambda x: model(x), a)
+    gx, gw, gb = torch.autograd.grad((ys * gy).sum(), (a, model.weight, model.bias))
+    for k in range(3):
+        want = _reference(xs[k], w, b, gy[k])
+        _check({"y": ys[k], "input": gx[k]}, {"y": want["y"], "input": want["input"]}, torch.float32, f"map {k}")
+    want = [_reference(xs[k], w, b, gy[k]) for k in range(3)]
+    _close(gw, sum(r["weight"] for r in want), torch.float32, k=3 * N, what="map: weight")
+    _close(gb, sum(r["bias"] for r in want), torch.float32, k=3 * N, what="map: bias")
+
+    x0 = torch.randn(N, G * I)
+
+    def step(i, h):
+        return i + 1, torch.cat([model(h)] * (I // O), 1)  # O divides I: back to the input's width
+
+    _, got = while_loop(lambda i, h: i < 3, step, (torch.tensor(0), x0))
+    h = x0.double()
+    for _ in range(3):
+        h = torch.cat([reference_loop(h, w, b)] * (I // O), 1)
+    _close(got, h, torch.float32, k=3 * I, what="while_loop")
+
+
 def test_a_graph_compiled_before_any_eager_call_records_simds_cpp_ops():
     # The usual order, a model compiled right away: in a fresh process no simd call has
     # armed the C++ ops when dynamo traces, so tracing arms them (OpEntry.prepare_ops)

@@ -7,10 +7,11 @@
 // through one dispatcher call each.
 //
 // These ops are simd's kernels, not a second backend: they run below autograd, inside
-// simd's op or autograd Function (the backward is their own op), and refuse a call that
-// autograd would record. The C kernels are the ones simd loaded and self-checked: Python
-// hands their addresses over (bd_ops_set) only after the dtype's self-check passed, and
-// takes them back (bd_ops_clear) when it loads another library.
+// simd's op or autograd Function (the backward is their own op); a call autograd records
+// gets a node that raises if a gradient reaches it (see record_refusal). The C kernels are
+// the ones simd loaded and self-checked: Python hands their addresses over (bd_ops_set)
+// only after the dtype's self-check passed, and takes them back (bd_ops_clear) when it
+// loads another library.
 //
 // Anything the kernels cannot take in place is refused with an error, never run: the
 // Python wrapper then takes the operands, and either runs them or raises the precise
@@ -25,6 +26,8 @@
 #include <ATen/ops/sum.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) ||        \
@@ -38,7 +41,9 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -198,42 +203,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   return {gx, gw, gb};
 }
 
-// The Autograd kernels: a call autograd would record, or one with a forward-mode tangent,
-// is refused (these ops have no derivative of their own; simd's op and Function hold it),
-// never run without its derivative; any other is passed below autograd, to the CPU kernel,
-// a fake kernel or a mode.
-void refuse_recording(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+// The Autograd kernels. These ops have no derivative of their own (simd's op and Function
+// hold it). A call with a forward-mode tangent is refused: the tangent would be dropped. A
+// call autograd records runs, and its outputs get an Error node that raises when a gradient
+// reaches it: never a silently missing gradient. Recording alone is not refused, because
+// torch's higher-order ops (scan) re-trace graphs that already hold these ops
+// with grad mode on and grad-requiring operands (functionalizing a joint graph that simd's
+// Function differentiated), then never differentiate that re-trace. Any other call is passed
+// below autograd, to the CPU kernel, a fake kernel or a mode.
+bool refuse_tangents_and_record(const char* op, std::initializer_list<const at::Tensor*> tensors) {
   const bool grad = c10::GradMode::is_enabled();
+  bool record = false;
   for (const at::Tensor* t : tensors) {
     if (t == nullptr || !t->defined()) {
       continue;
     }
-    TORCH_CHECK(!(grad && t->requires_grad()) && !t->_fw_grad(/*level=*/0).defined(), "blockdiag::", op,
-                " is one of simd's kernels and has no autograd: call it under torch.no_grad() on tensors without "
+    TORCH_CHECK(!t->_fw_grad(/*level=*/0).defined(), "blockdiag::", op,
+                " is one of simd's kernels and has no forward-mode derivative: call it on tensors without "
                 "a forward-mode tangent, or run simd through blockdiag (backend=\"simd\"), whose op "
                 "differentiates it");
+    record = record || (grad && t->requires_grad());
+  }
+  return record;
+}
+
+void record_refusal(const char* op, const std::vector<at::Tensor>& inputs,
+                    std::initializer_list<const at::Tensor*> outputs) {
+  torch::autograd::edge_list edges;
+  for (const at::Tensor& t : inputs) {
+    edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
+  }
+  auto node = c10::make_intrusive<torch::autograd::Error>(
+      std::string("blockdiag::") + op +
+          " is one of simd's kernels and has no autograd: a gradient reached it through a graph that recorded "
+          "it without simd's op or autograd Function around it; run simd through blockdiag (backend=\"simd\"), "
+          "whose op differentiates it, or call it under torch.no_grad()",
+      std::move(edges));
+  for (const at::Tensor* out : outputs) {
+    torch::autograd::set_history(*out, node);
   }
 }
 
 at::Tensor forward_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
-  refuse_recording("simd_native", {&x, &weight, bias.has_value() ? &*bias : nullptr});
+  const bool record =
+      refuse_tangents_and_record("simd_native", {&x, &weight, bias.has_value() ? &*bias : nullptr});
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("blockdiag::simd_native", "")
                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
-  return handle.redispatch(keys & c10::after_autograd_keyset, x, weight, bias);
+  at::Tensor y = handle.redispatch(keys & c10::after_autograd_keyset, x, weight, bias);
+  if (record) {
+    record_refusal("simd_native", {x, weight, bias.has_value() ? *bias : at::Tensor()}, {&y});
+  }
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_autograd(c10::DispatchKeySet keys, const at::Tensor& gy,
                                                                  const at::Tensor& x, const at::Tensor& weight,
                                                                  bool has_bias, bool need_input, bool need_weight) {
-  refuse_recording("simd_native_backward", {&gy, &x, &weight});
+  const bool record = refuse_tangents_and_record("simd_native_backward", {&gy, &x, &weight});
   static const auto handle =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("blockdiag::simd_native_backward", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                 bool, bool, bool)>();
-  return handle.redispatch(keys & c10::after_autograd_keyset, gy, x, weight, has_bias, need_input, need_weight);
+  auto out = handle.redispatch(keys & c10::after_autograd_keyset, gy, x, weight, has_bias, need_input, need_weight);
+  if (record) {
+    record_refusal("simd_native_backward", {gy, x, weight}, {&std::get<0>(out), &std::get<1>(out), &std::get<2>(out)});
+  }
+  return out;
 }
 
 }  // namespace

@@ -11,7 +11,10 @@ as two ops reached through one dispatcher call each:
 
 They are simd's kernels, not another backend: simd's op, its autograd and its routes are
 unchanged, and call these where they called the C kernels. Each has a fake kernel; their
-Autograd kernels refuse a call that autograd would record (their derivative is simd's).
+Autograd kernels refuse an operand with a forward-mode tangent, and give the outputs of a call
+autograd records a node that raises when a gradient reaches it (their derivative is simd's).
+Recording alone is allowed: torch's higher-order ops (``scan``) re-trace graphs that hold
+these ops with grad mode on, and never differentiate that re-trace.
 
 How they come to run, once per process:
 
