@@ -19,15 +19,19 @@ from _params import backends_and_auto, require_backend
 from _strided import B_KINDS, GY_KINDS, W_KINDS, X_KINDS, check_against_reference
 
 
-@pytest.mark.parametrize("name", backends_and_auto())
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(
-    dtype=st.sampled_from([torch.float32, torch.float64]),
+# What each drawn case varies besides the dtype: the sizes, each operand's kind, the seed.
+DRAWN = dict(
     n=st.integers(1, 9), g=st.integers(1, 3), i=st.integers(1, 70), o=st.integers(1, 70),
     xk=st.sampled_from(X_KINDS), wk=st.sampled_from(W_KINDS), bk=st.sampled_from(B_KINDS),
     gk=st.sampled_from(GY_KINDS), seed=st.integers(0, 2**16),
 )
+DRAWING = settings(max_examples=12, deadline=None,
+                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("name", backends_and_auto())
+@DRAWING
+@given(dtype=st.sampled_from([torch.float32, torch.float64]), **DRAWN)
 def test_every_backend_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
     require_backend(name)
     check_against_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed)
@@ -41,14 +45,8 @@ UPCASTING = [p for p in backends_and_auto() if p.values[0] == "auto" or get(p.va
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # float16 conj().imag
 @pytest.mark.parametrize("name", UPCASTING)
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(
-    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-    n=st.integers(1, 9), g=st.integers(1, 3), i=st.integers(1, 70), o=st.integers(1, 70),
-    xk=st.sampled_from(X_KINDS), wk=st.sampled_from(W_KINDS), bk=st.sampled_from(B_KINDS),
-    gk=st.sampled_from(GY_KINDS), seed=st.integers(0, 2**16),
-)
+@DRAWING
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), **DRAWN)
 def test_half_dtypes_against_the_float64_reference(name, dtype, n, g, i, o, xk, wk, bk, gk, seed):
     require_backend(name)
     if xk == "conj().imag":
