@@ -103,4 +103,6 @@ def _coo_indices(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
 
 def _mask(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
     eye = torch.eye(g, dtype=torch.bool, device=device)
-    return eye[:, None, :, None].expand(g, r, g, c).reshape(g * r, g * c)
+    # contiguous(): with one group the reshape is a view of the expanded eye, every entry one
+    # element (strides (0, 0)), which a caller could neither write one entry of nor view.
+    return eye[:, None, :, None].expand(g, r, g, c).reshape(g * r, g * c).contiguous()

@@ -117,6 +117,17 @@ def test_mask(device):
     assert bool(block_diag_mask(3, (2, 4), device=device)[0, 0])
 
 
+@pytest.mark.parametrize("groups,shape", [(1, (3, 4)), (1, (1, 1)), (4, (1, 1)), (3, (1, 2)), (3, (2, 1))])
+def test_mask_is_a_writable_contiguous_tensor(groups, shape):
+    # One group made the reshape a view of one expanded element (strides (0, 0)): writing one
+    # entry wrote them all, and an in-place op with another tensor raised.
+    m = block_diag_mask(groups, shape)
+    assert m.is_contiguous() and m.all(dim=None) == (groups == 1)
+    m[0, 0] = False
+    assert int(m.sum()) == groups * shape[0] * shape[1] - 1
+    m &= torch.ones_like(m)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     g=st.integers(1, 6),

@@ -820,3 +820,12 @@ def test_reentrant_checkpoint_recomputes_the_random_activation_it_ran(act, compi
         torch.testing.assert_close(g, p.grad)
     with torch.inference_mode():
         model(torch.randn(32, 8))  # deciding as in training runs under inference mode too
+
+
+def test_one_input_per_head_runs_the_layers_and_says_why():
+    # Each head reads one scalar: the layer's plan is ONE_INPUT_RULE's (simd first on CPU),
+    # which the chain would replace by bmm_fm's GEMM at k = 1.
+    model = GroupedMLP(1, [64], 4, heads=16, shared_input=False)
+    plan = model.plan(torch.empty(256, 16))
+    assert plan.layers[0].reason == blockdiag.dispatch.ONE_INPUT_RULE
+    assert plan.strategy == "layers" and "one input per head" in plan.reason, str(plan)

@@ -83,7 +83,8 @@ explicit CPU tensors, outside autocast, inference mode, ``torch.func`` transform
 modes and ``torch.set_default_device``; the verdict cached per dtype) and raises
 :class:`BlockDiagError`, saying what differed, if they do.
 
-It runs float32 and float64 on CPU. Under ``create_graph=True`` its backward is ``bmm``'s,
+It runs float32 and float64 on CPU, and bfloat16 and float16 computed in float32 (the
+operands cast up, the float32 kernels run, each result rounded once: ``UPCAST``). Under ``create_graph=True`` its backward is ``bmm``'s,
 written in differentiable ops, so double backward works. Empty problems (a zero batch or
 block side) run ``bmm_fm``'s torch ops.
 """

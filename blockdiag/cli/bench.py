@@ -31,11 +31,11 @@ class _Saver:
     raises the command's error, after the table is printed."""
 
     def __init__(self, args, head: dict, summarize) -> None:
-        self.args, self.head, self.summarize = args, {**head, **_provenance()}, summarize
+        self.args, self.head, self.summarize = args, head, summarize
         self.warned = False
 
     def _out(self, rows: list, total: int, complete: bool) -> dict:
-        return {**self.head, "complete": complete, "points_done": len(rows), "points_total": total,
+        return {**self.head, **_provenance(), "complete": complete, "points_done": len(rows), "points_total": total,
                 "summary": self.summarize(rows), "rows": rows}
 
     def partial(self, rows: list, total: int) -> None:

@@ -17,7 +17,7 @@ from torch.nn.modules import module as _nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ... import settings as _settings
-from ...dispatch import UPCAST_RULE, Plan, half_upcast
+from ...dispatch import ONE_INPUT_RULE, UPCAST_RULE, Plan, half_upcast
 from ...ops.auto import route_token, traced_routes
 from ..linear import _compile_guard
 from .activations import _act_hooked, _hooked, _random
@@ -473,6 +473,12 @@ class StrategyChoice:
             return False, (f"the layers' {upcast[0].backend} computes {str(x.dtype).replace('torch.', '')} in "
                            "float32, where the chain would run torch's kernels of that dtype, which the table "
                            "(of another dtype) does not describe (UPCAST_RULE)"), chain_us, layers_us, plans
+        one_input = [plan for plan in plans if plan.reason == ONE_INPUT_RULE]
+        if one_input:
+            return False, (f"a layer has one input per head ({one_input[0].problem.groups} heads of "
+                           f"{one_input[0].problem.block_in}x{one_input[0].problem.block_out}, ONE_INPUT_RULE): the "
+                           f"chain would run it as bmm_fm's GEMM with nothing to reduce, where the layer runs "
+                           f"{one_input[0].backend}"), chain_us, layers_us, plans
         if chain_us is None or layers_us is None:
             missing = "fm_chain" if chain_us is None else "layers"
             return False, f"the measured table has no estimate for {missing} at these shapes, so the layers run", chain_us, layers_us, plans
