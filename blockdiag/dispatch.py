@@ -703,7 +703,7 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
     elif one_input:
         reason = ONE_INPUT_RULE
     elif best in upcast:
-        reason = f"{UPCAST_RULE} ({table_dtype} table; {best} casts {asked} up)"
+        reason = f"{UPCAST_RULE} (the table has no {asked} entry, only {table_dtype} times; {best} casts {asked} up)"
     elif measured:
         near = used[0][1]
         at = f"batch={near['batch']} groups={near['groups']} block={near['block_in']}x{near['block_out']}"
