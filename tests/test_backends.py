@@ -28,6 +28,7 @@ from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import backend_tolerances, reference_loop, reference_scipy, tolerances
 
+from _builds import quick_compiler
 from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy, run_or_fail_on_hang
 
 
@@ -541,7 +542,8 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
         """
     )
     available = ",".join(n for n in ("mkl_batch", "simd") if get(n).unavailable_reason() is None)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": quick_compiler(tmp_path / "quick"),
+           "CXX": quick_compiler(tmp_path / "quick", "CXX", "c++")}
     # Its own session, so that a hung child (orphaned when the parent is killed) goes too.
     code, _, err = run_or_fail_on_hang([sys.executable, "-c", script, available], 120,
                                        "a child forked after listing backends and planning (torch.bmm)", env=env)

@@ -18,6 +18,8 @@ from blockdiag import BlockDiagError, grouped_linear
 from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.testing import reference_loop
 
+from _builds import quick_compiler
+
 pytestmark = pytest.mark.skipif(
     get("simd").unavailable_reason() is not None,
     reason=f"simd unavailable here: {get('simd').unavailable_reason()}",
@@ -56,7 +58,8 @@ def route(request):
 
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
-    """A cleared build cache pointed at ``tmp_path``; the real library is restored afterwards."""
+    """A cleared build cache pointed at ``tmp_path``, built at -O0; the real library is restored afterwards."""
+    monkeypatch.setenv("CC", quick_compiler(tmp_path / "quick"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     simd._library.cache_clear()
     simd._check.cache_clear()
@@ -287,7 +290,7 @@ def test_first_use_from_many_threads_builds_the_library_once(tmp_path):
     import sys
 
     log, cc = tmp_path / "cc.log", tmp_path / "cc.sh"
-    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo x >> {log};; esac\nexec "${{REAL_CC:-cc}}" "$@"\n')
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo x >> {log};; esac\nexec "${{REAL_CC:-cc}}" "$@" -O0\n')  # -O0: see _builds.py
     cc.chmod(0o755)
     code = ("import threading, torch, blockdiag\n"
             "bar = threading.Barrier(8); errors = []\n"

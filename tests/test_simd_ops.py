@@ -22,6 +22,7 @@ from blockdiag import BlockDiagError, grouped_linear
 from blockdiag.backends import _libcache, _simd_ops, get, simd
 from blockdiag.testing import reference_loop
 
+from _builds import seed_cache
 from _params import run_or_fail_on_hang
 
 pytestmark = pytest.mark.skipif(
@@ -305,6 +306,7 @@ def test_without_a_cpp_compiler_simd_runs_through_ctypes_and_says_why(tmp_path):
         print(simd.variant_note())
         """
     )
+    seed_cache(tmp_path / "cache")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": shutil.which("false")}
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess", env=env)
     assert rc == 0, err
@@ -314,6 +316,7 @@ def test_without_a_cpp_compiler_simd_runs_through_ctypes_and_says_why(tmp_path):
 def test_before_first_use_the_explain_line_says_a_missing_cpp_compiler(tmp_path):
     # Nothing has armed the ops yet: the line must not promise C++ ops that cannot be built.
     code = "from blockdiag.backends import simd; print(simd.variant_note())"
+    seed_cache(tmp_path / "cache")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-c++")}
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the subprocess", env=env)
     assert rc == 0, err
@@ -323,8 +326,9 @@ def test_before_first_use_the_explain_line_says_a_missing_cpp_compiler(tmp_path)
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None, reason="no C++ compiler: nothing is built")
 def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
     # The ops' library is fetched as simd's C library is (one _fetch): a truncated file in the
-    # cache is rebuilt, not mapped. Two fresh processes over one cache: the first builds, the
-    # file is cut in half, the second must rebuild it and arm the ops.
+    # cache is rebuilt, not mapped. Two fresh processes over one cache, seeded with this
+    # process's libraries: the first loads them, the ops' file is cut in half, the second must
+    # rebuild it and arm the ops.
     code = textwrap.dedent(
         """
         import torch
@@ -335,6 +339,7 @@ def test_a_damaged_cached_ops_library_is_rebuilt_never_loaded(tmp_path):
         print("armed")
         """
     )
+    seed_cache(tmp_path / "cache", ("simd-*.so", "torchops-simd-*.so"))
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     rc, out, err = run_or_fail_on_hang([sys.executable, "-c", code], 300, "the first process", env=env)
     assert rc == 0 and "armed" in out, err

@@ -198,8 +198,8 @@ def test_a_compiler_without_openmp_builds_the_serial_kernels(library, monkeypatc
         for a in "$@"; do
           if [ "$a" = "-fopenmp" ]; then echo "fatal error: 'omp.h' file not found" >&2; exit 1; fi
         done
-        exec {CC} "$@"
-        """))
+        exec {CC} "$@" -O0
+        """))  # -O0: see _builds.py
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("XDG_CACHE_HOME", str(library / "cache"))
     assert get("simd").unavailable_reason() is None

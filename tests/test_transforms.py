@@ -47,6 +47,7 @@ from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
 from blockdiag.nn.mlp import strategy as mlp_module
 
+from _builds import seed_cache
 from _params import DTYPES, backend_spy, backends_and_auto, require_backend
 
 pytest.importorskip("blockdiag.ops", reason="blockdiag.ops (issue 21) is not there yet")
@@ -901,6 +902,7 @@ def test_a_process_without_simds_cpp_ops_is_not_served_a_graph_calling_them(tmp_
         pytest.skip("no C++ compiler: simd's C++ ops are never built here")
     cache = tmp_path / "inductor-cache"
     seen = {}
+    seed_cache(tmp_path / "fresh")  # simd's C kernels, not its C++ ops
     for name, extra in (("with", {}), ("without", {"XDG_CACHE_HOME": str(tmp_path / "fresh"),
                                                     "CXX": shutil.which("false") or "/nonexistent"})):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
