@@ -19,7 +19,7 @@ these ops with grad mode on, and never differentiate that re-trace.
 How they come to run, once per process:
 
 * built on first use with the C++ compiler ``$CXX`` (default ``c++``) against the installed
-  torch's headers and libraries (``-std=c++20``, torch's C++ ABI), about 7 s, and cached as
+  torch's headers and libraries (``-std=c++20``, torch's C++ ABI), and cached as
   simd's C library is: in the same private folder, with the same build record, checked the
   same way before it is loaded (see :mod:`blockdiag.backends.simd`); the name hashes the
   source, the flags, the compiler's version and torch's version and build;

@@ -72,7 +72,7 @@ How it is built and found:
   soname), so the kernels share torch's thread pool rather than starting a second one (clang
   links its own ``libomp``).
 
-The availability probe compiles (once per machine; about 10 s) and loads the library, but
+The availability probe compiles (once per machine: see docs/installation.md) and loads the library, but
 runs nothing: running OpenMP code before a ``fork`` would hang the forked child's first
 parallel op (see ``mkl_batch``). The backend is unavailable, with the reason, off Linux
 x86-64 and aarch64, on an x86-64 CPU with neither AVX-512F nor AVX2 and FMA, when
@@ -220,7 +220,7 @@ def variant() -> Optional[str]:
 
     Chosen at first use from the CPU's features, the best it supports; ``$BLOCKDIAG_SIMD_ISA``
     forces another the CPU supports (a lower one, for tests and comparisons). Compiles and
-    loads the kernels if that has not happened yet (about 10 s once per machine).
+    loads the kernels if that has not happened yet (once per machine).
     """
     return _INFO.get("variant") if _library()[1] is None else None
 
