@@ -64,6 +64,15 @@ static inline int omp_get_num_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 #endif
 
+/* gcc's RTL global common-subexpression passes (-fgcse, and -fgcse-after-reload at -O3) spent
+   most of the AVX2 variant's compile time, which a user waits through in the first call that
+   runs simd, on kernels whose loads and sums are register tiles written out as intrinsics:
+   nothing there for them to find, and the kernels ran no slower without them (see the
+   changelog). clang has no such passes. */
+#if defined(BD_ISA_AVX2) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-gcse", "no-gcse-after-reload")
+#endif
+
 /* Bumped whenever an exported signature or return convention changes; simd.py refuses a
  * library with another. 2: every entry point checks its arguments and returns a code. */
 int bd_abi_version(void) { return 2; }
