@@ -16,7 +16,7 @@ import torch
 
 from ._checks import as_blocks, check, is_int
 from ._errors import BlockDiagError
-from .layout import BlockLayout
+from .layout import BlockLayout, _csr_indices
 
 __all__ = [
     "block_diag_dense",
@@ -122,13 +122,18 @@ def _two_positive_ints(v) -> bool:
 
 
 def _sparse_csr(w: torch.Tensor, own_indices: bool = False) -> torch.Tensor:
-    # The index tensors are cached per layout and shared by every product of that shape;
-    # a matrix handed to users gets its own copies (own_indices), so editing them in place
-    # cannot corrupt later products.
+    # The index tensors are cached per layout and shared by every product of that shape, in
+    # int32 where the entries fit (torch's CSR products take either; the column index is one
+    # per stored entry, so int64 cost twice a float32 weight's bytes for as long as the cache
+    # holds it). A matrix handed to users gets int64 indices of its own (own_indices), built
+    # for it and not cached: torch's default index dtype, and editing them in place cannot
+    # corrupt later products.
     lay = _layout_of(w)
-    crow, col = lay.csr_indices(w.device)
     if own_indices:
-        crow, col = crow.clone(), col.clone()
+        crow, col = _csr_indices.__wrapped__(lay.groups, lay.block_out, lay.block_in, w.device)
+    else:
+        small = lay.nnz <= torch.iinfo(torch.int32).max
+        crow, col = lay.csr_indices(w.device, torch.int32 if small else torch.int64)
     # Row k of block g holds W[g, k % r, :]: the CSR values are W flattened, no gather needed.
     return torch.sparse_csr_tensor(
         crow, col, w.reshape(-1), lay.shape, check_invariants=False

@@ -1,8 +1,8 @@
 """``BlockLayout``: the geometry of a block-diagonal matrix and its cached index tensors.
 
 Index tensors (CSR row pointers, column indices, COO indices) depend only on
-``(groups, block_out, block_in)`` and the device, so they are built once and cached here
-instead of on every forward call. The dense mask is built afresh on each call: it has an
+``(groups, block_out, block_in)``, the device and the index dtype, so they are built once and
+cached here instead of on every forward call. The dense mask is built afresh on each call: it has an
 entry for every entry of the full matrix (``groups**2`` blocks), no product reads it, and
 cached it would hold a matrix-sized tensor per shape for the life of the process.
 """
@@ -45,9 +45,17 @@ class BlockLayout:
         """Fraction of the full matrix inside the blocks: ``1 / groups``."""
         return 1.0 / self.groups
 
-    def csr_indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(crow_indices, col_indices)`` for CSR whose values are ``blocks.reshape(-1)``."""
-        return _get(_csr_indices, self.groups, self.block_out, self.block_in, _dev(device))
+    def csr_indices(
+        self, device: torch.device, dtype: torch.dtype = torch.int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow_indices, col_indices)`` for CSR whose values are ``blocks.reshape(-1)``.
+
+        ``dtype`` is ``torch.int64`` or ``torch.int32`` (half the bytes: one column index per
+        stored entry; refused where ``nnz`` does not fit).
+        """
+        if dtype == torch.int32 and self.nnz > torch.iinfo(torch.int32).max:
+            raise ValueError(f"int32 CSR indices cannot count {self.nnz} stored entries (layout {self})")
+        return _get(_csr_indices, self.groups, self.block_out, self.block_in, _dev(device), dtype)
 
     def bsr_indices(
         self, blocksize: tuple[int, int], device: torch.device
@@ -86,11 +94,13 @@ def _get(fn, *args):
 
 
 @functools.lru_cache(maxsize=256)
-def _csr_indices(g: int, r: int, c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _csr_indices(
+    g: int, r: int, c: int, device: torch.device, dtype: torch.dtype = torch.int64
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Row (or block-row) k belongs to group k // r and holds c consecutive columns.
-    crow = torch.arange(0, g * r + 1, device=device, dtype=torch.int64) * c
-    start = torch.arange(g, device=device, dtype=torch.int64).repeat_interleave(r) * c
-    col = (start[:, None] + torch.arange(c, device=device, dtype=torch.int64)).reshape(-1)
+    crow = torch.arange(0, g * r + 1, device=device, dtype=dtype) * c
+    start = torch.arange(g, device=device, dtype=dtype).repeat_interleave(r) * c
+    col = (start[:, None] + torch.arange(c, device=device, dtype=dtype)).reshape(-1)
     return crow, col
 
 

@@ -341,3 +341,30 @@ def test_to_blocks_and_block_diag_mask_keep_no_matrix_sized_mask():
         m = blockdiag.block_diag_dense(w)
         m[0, 7] = 1.0
         blockdiag.to_blocks(m, 3)
+
+
+def test_csr_index_cache_holds_int32_and_no_returned_matrix_indices():
+    # The column index has one entry per stored weight entry: cached in int64 (torch's default)
+    # for every shape the csr backend ran, it cost twice a float32 weight's bytes for the life
+    # of the process, and each block_diag_csr added its shape's indices to the cache too.
+    from blockdiag.layout import _csr_indices
+
+    _csr_indices.cache_clear()
+    m = blockdiag.block_diag_csr(torch.randn(3, 4, 5))
+    assert (m.crow_indices().dtype, m.col_indices().dtype) == (torch.int64, torch.int64)
+    assert _csr_indices.cache_info().currsize == 0  # built for the caller, not cached
+    x, w, b = (torch.randn(6, 15, requires_grad=True), torch.randn(3, 4, 5, requires_grad=True),
+               torch.randn(12, requires_grad=True))
+    got = blockdiag.grouped_linear(x, w, b, backend="csr")
+    want = blockdiag.testing.reference_loop(x, w, b)
+    gy = torch.randn_like(want)
+    for a, c in zip((got, *torch.autograd.grad(got, (x, w, b), gy)), (want, *torch.autograd.grad(want, (x, w, b), gy))):
+        torch.testing.assert_close(a, c)
+    cached = _csr_indices.cache_info().currsize
+    assert cached == 2  # the blocks and their transposes (the input gradient)
+    for crow, col in (_csr_indices(3, 4, 5, torch.device("cpu"), torch.int32),
+                      _csr_indices(3, 5, 4, torch.device("cpu"), torch.int32)):
+        assert crow.dtype == col.dtype == torch.int32
+    assert _csr_indices.cache_info().currsize == cached  # those were the entries the products made
+    with pytest.raises(ValueError, match=r"int32 CSR indices cannot count 4294967296 stored entries"):
+        blockdiag.layout.BlockLayout(2**16, 2**8, 2**8).csr_indices(torch.device("cpu"), torch.int32)
