@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import blockdiag
-from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP
+from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.testing import reference_loop, tolerances
 
-from _params import DEVICES, DTYPES
+from _params import DEVICES, DTYPES, backend_spy, require_backend
 
 
 
@@ -808,6 +808,33 @@ def test_cpu_autocast_casts_as_linear_does(name, layer_dtype):
     torch.testing.assert_close(y.double(), ref, **tolerances(y.dtype, 8))
     y.float().square().sum().backward()
     assert layer.weight.grad.dtype == layer.bias.grad.dtype == layer_dtype
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("call", ["layer", "functional"])
+def test_cpu_autocast_over_a_backend_computing_in_float32_multiplies_the_unrounded_operands(call, amp_dtype):
+    # simd computes the half dtypes in float32: under autocast it was handed operands cast
+    # down, only to cast them up again (two passes over weight and input, and both rounded).
+    # It now multiplies the float32 operands and rounds the result once: the weight gradient
+    # is then the float32 product, not one of bfloat16-rounded inputs.
+    require_backend("simd")
+    gen = torch.Generator().manual_seed(3)
+    layer = GroupedLinear(4 * 8, 4 * 6, groups=4, backend="simd")
+    x = torch.randn(5, 4 * 8, generator=gen, requires_grad=True)
+    gy = torch.randn(5, 4 * 6, generator=gen)
+    with torch.autocast("cpu", dtype=amp_dtype), backend_spy() as ran:
+        y = layer(x) if call == "layer" else grouped_linear(x, layer.weight, layer.bias, backend="simd")
+    assert ran == ["simd"] and y.dtype == amp_dtype
+    y.backward(gy.to(amp_dtype))
+    w, b = layer.weight, layer.bias
+    exact = reference_loop(x.double(), w.double(), b.double())
+    eps = torch.finfo(amp_dtype).eps  # rounded once: within half a unit, plus float32's sums
+    torch.testing.assert_close(y.double(), exact, rtol=eps, atol=1e-5)
+    gx, gw, gb = torch.autograd.grad(reference_loop(x.double(), w.double(), b.double()), (x, w, b),
+                                     gy.to(amp_dtype).double())
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+    for got, want in ((x.grad, gx), (w.grad, gw), (b.grad, gb)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, shape", [("weight", (2, 4, 6)), ("bias", (4,))])

@@ -161,6 +161,24 @@ def _autocast(
     return cast(x), cast(weight), cast(bias)
 
 
+def _run_cast(name: str, operands: tuple, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Run backend ``name`` where autocast cast some of ``operands`` to ``x, w, b`` (:func:`_autocast`).
+
+    Where the backend computes autocast's dtype in float32 anyway (``Backend.upcasts``:
+    ``simd`` on CPU), the product runs on the operands as they were, in float32, and only its
+    result is cast to autocast's dtype: autocast's casts down and the backend's casts up would
+    cost two passes over the weight and the input for nothing but a rounding of both. The
+    values are then those of the unrounded operands, rounded once (``nn.Linear`` under
+    autocast multiplies the rounded ones).
+    """
+    dev = x.device.type
+    if x.dtype not in get(name).upcasts.get(dev, ()):
+        return _run(name, x, w, b)
+    up = tuple(None if t is None else t.float() for t in operands)
+    with torch.autocast(dev, enabled=False):
+        return _run(name, *up).to(x.dtype)
+
+
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto"
 ) -> torch.Tensor:
@@ -183,10 +201,14 @@ def grouped_linear(
         BlockDiagError: on mismatched shapes, devices or dtypes, an unknown backend, or a
             backend that cannot run this input.
     """
+    operands = (x, weight, bias)
     x, weight, bias = _autocast(x, weight, bias)
     if plain_eager(x, weight, bias):
         try:
-            return _run(_select("grouped_linear", backend, x, weight, bias), x, weight, bias)
+            name = _select("grouped_linear", backend, x, weight, bias)
+            if x is operands[0] and weight is operands[1] and bias is operands[2]:
+                return _run(name, x, weight, bias)
+            return _run_cast(name, operands, x, weight, bias)
         except Exception:
             _explain_failure("grouped_linear", x, weight, bias)
             raise
@@ -458,10 +480,14 @@ class GroupedLinear(nn.Module):
         Raises:
             BlockDiagError: see :meth:`plan`.
         """
+        x0 = x
         x, w, b = _autocast(x, self.weight, self.bias)
         if plain_eager(x, w, b):
             try:
-                return _run(_select(type(self).__name__, self._backend, x, w, b), x, w, b)
+                name = _select(type(self).__name__, self._backend, x, w, b)
+                if x is x0 and w is self.weight and b is self.bias:
+                    return _run(name, x, w, b)
+                return _run_cast(name, (x0, self.weight, self.bias), x, w, b)
             except Exception:
                 _explain_failure(type(self).__name__, x, w, b)
                 raise
