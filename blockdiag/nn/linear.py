@@ -201,14 +201,14 @@ def grouped_linear(
         BlockDiagError: on mismatched shapes, devices or dtypes, an unknown backend, or a
             backend that cannot run this input.
     """
-    operands = (x, weight, bias)
+    x0, w0, b0 = x, weight, bias
     x, weight, bias = _autocast(x, weight, bias)
     if plain_eager(x, weight, bias):
         try:
             name = _select("grouped_linear", backend, x, weight, bias)
-            if x is operands[0] and weight is operands[1] and bias is operands[2]:
+            if x is x0 and weight is w0 and bias is b0:
                 return _run(name, x, weight, bias)
-            return _run_cast(name, operands, x, weight, bias)
+            return _run_cast(name, (x0, w0, b0), x, weight, bias)
         except Exception:
             _explain_failure("grouped_linear", x, weight, bias)
             raise
