@@ -905,3 +905,77 @@ def test_from_heads_refuses_linears_that_do_not_chain():
     heads = [nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(5, 2)) for _ in range(2)]
     with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\] takes 5 inputs .* but heads\[0\]\[0\] gives 4"):
         GroupedMLP.from_heads(heads)
+
+
+def test_conversions_refuse_a_forward_replaced_on_the_instance():
+    # Converted silently: __call__ runs an instance's own forward (monkeypatched, or a
+    # wrapper such as accelerate's hooks), and the grouped module computed the class's.
+    lins = [nn.Linear(4, 3) for _ in range(2)]
+    for lin in lins:
+        lin.forward = lambda x, lin=lin: 2 * nn.Linear.forward(lin, x)
+    with pytest.raises(BlockDiagError, match=r"linears\[0\] has its forward replaced on the instance"):
+        GroupedLinear.from_linears(lins)
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[0\] has its forward replaced on the instance"):
+        GroupedMLP.from_heads([nn.Sequential(lin, nn.ReLU(), nn.Linear(3, 1)) for lin in lins])
+    heads = [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)) for _ in range(2)]
+    heads[1].forward = lambda x: 10 * nn.Sequential.forward(heads[1], x)
+    with pytest.raises(BlockDiagError, match=r"heads\[1\] has its forward replaced on the instance"):
+        GroupedMLP.from_heads(heads)
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_conversions_refuse_gradient_hooks_on_parameters(hook):
+    # Converted silently: the grouped module's new parameters ran no hook, so a head whose
+    # weight gradient a hook zeroed (or clipped) trained as the others did.
+    fn = (lambda g: torch.zeros_like(g)) if hook == "register_hook" else (lambda p: None)
+    lins = [nn.Linear(4, 3) for _ in range(2)]
+    handle = getattr(lins[1].bias, hook)(fn)
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] has gradient hooks on bias"):
+        GroupedLinear.from_linears(lins)
+    with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\] has gradient hooks on bias"):
+        GroupedMLP.from_heads([nn.Sequential(lin, nn.ReLU(), nn.Linear(3, 1)) for lin in lins])
+    handle.remove()  # a removed hook leaves an empty dict behind: accepted
+    GroupedLinear.from_linears(lins)
+    masked = blockdiag.mask_block_diagonal_(nn.Linear(4, 4), 2)
+    getattr(masked.parametrizations.weight.original, hook)(fn)
+    with pytest.raises(BlockDiagError, match=r"has gradient hooks on parametrizations.weight.original"):
+        GroupedLinear.from_linears([masked])
+
+
+def test_from_heads_refuses_linears_of_mixed_dtypes_or_devices():
+    # Converted silently: the model took heads[0][0]'s dtype and device, and the copies cast a
+    # float32 output layer (or a float64 bias) to bfloat16, or dropped a layer's weights onto meta.
+    def heads(spoil):
+        hs = [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)) for _ in range(2)]
+        for h in hs:
+            spoil(h)
+        return hs
+
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\].weight has dtype torch.float32 but heads\[0\]\[0\].weight "
+                                             r"has dtype torch.bfloat16"):
+        GroupedMLP.from_heads(heads(lambda h: h[0].bfloat16()))
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\].weight is on cpu but heads\[0\]\[0\].weight is on meta"):
+        GroupedMLP.from_heads(heads(lambda h: h[0].to("meta")))
+
+    def double_bias(h):
+        h[2].bias.data = h[2].bias.data.double()
+
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[2\].bias has dtype torch.float64 but heads\[0\]\[0\].weight"):
+        GroupedMLP.from_heads(heads(double_bias))
+    assert GroupedMLP.from_heads(heads(lambda h: h.double())).layers[1].bias.dtype == torch.float64
+
+
+def test_conversions_refuse_tied_weight_norm_linears():
+    # weight_norm keeps two originals (original0, original1) and no `original`: a Linear
+    # shared by two heads under it, without a bias to give the tie away, was converted into
+    # independent copies.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    lin = weight_norm(nn.Linear(4, 3, bias=False))
+    with pytest.raises(BlockDiagError, match=r"linears\[1\]\.parametrizations\.weight\.original0 is the same "
+                                             r"parameter as linears\[0\]\.parametrizations\.weight\.original0"):
+        GroupedLinear.from_linears([lin, lin])
+    head = nn.Sequential(weight_norm(nn.Linear(4, 3, bias=False)), nn.ReLU(), nn.Linear(3, 2, bias=False))
+    with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\]\.parametrizations\.weight\.original0 is the same"):
+        GroupedMLP.from_heads([head, head])
+    GroupedLinear.from_linears([weight_norm(nn.Linear(4, 3, bias=False)) for _ in range(2)])  # not tied

@@ -36,7 +36,8 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
 
     Raises:
         BlockDiagError: not an ``nn.Linear``, an uninitialized ``LazyLinear``, a subclass
-            with its own ``forward``, other parameters, buffers or modules, or hooks.
+            with its own ``forward`` (or one set on the instance), other parameters, buffers or
+            modules, or hooks (on the module or on its parameters).
     """
     check(fn, isinstance(lin, nn.Linear), f"{where} is a {type(lin).__name__}, not nn.Linear")
     check(
@@ -50,6 +51,14 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
         f"{where} is a {type(lin).__name__}, whose own forward is not nn.Linear's: converting copies "
         "only weight and bias, so it would compute something else",
     )
+    # A forward set on the instance (monkeypatched, or a wrapper such as accelerate's hooks)
+    # is what __call__ runs, whatever the class defines.
+    check(
+        fn,
+        "forward" not in vars(lin),
+        f"{where} has its forward replaced on the instance: converting copies only weight and bias, "
+        "so it would compute nn.Linear's product instead",
+    )
     extra = [n for n, _ in (*lin.named_parameters(), *lin.named_buffers())
              if n not in ("weight", "bias") and not n.startswith("parametrizations.")]
     check(
@@ -60,6 +69,17 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
     )
     hooked = lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks
     check(fn, not hooked, f"{where} has forward or backward hooks, which the converted module would not run")
+    # Hooks on a parameter (Tensor.register_hook, register_post_accumulate_grad_hook) change
+    # or act on its gradient; the converted module's parameters are new tensors without them.
+    grad_hooked = [n for n, p in lin.named_parameters()
+                   if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    check(
+        fn,
+        not grad_hooked,
+        f"{where} has gradient hooks on {', '.join(grad_hooked)} (Tensor.register_hook or "
+        "register_post_accumulate_grad_hook), which the converted module's parameters would not run; "
+        "remove them, convert, and register them on the new parameters",
+    )
 
 
 def _refuse_shared_parameters(fn: str, named: list) -> None:
@@ -68,16 +88,21 @@ def _refuse_shared_parameters(fn: str, named: list) -> None:
     seen: dict = {}  # id -> (name, tensor): the tensor kept alive, so that its id is not reused
     for where, lin in named:
         for pname in ("weight", "bias"):
-            # A parametrized parameter is computed per access: its original is what is shared.
+            # A parametrized parameter is computed per access: its originals are what is shared
+            # (``original``, or ``original0``, ``original1``... as weight_norm keeps them).
             plist = getattr(getattr(lin, "parametrizations", None), pname, None)
-            t = plist.original if plist is not None and hasattr(plist, "original") else getattr(lin, pname, None)
-            if t is None:
-                continue
-            other = seen.setdefault(id(t), (f"{where}.{pname}", t))[0]
-            check(fn, other == f"{where}.{pname}",
-                  f"{where}.{pname} is the same parameter as {other} (tied weights): the grouped "
-                  "module holds one copy per group, so they would no longer be tied; untie them first "
-                  "(copy.deepcopy each, to start the groups from the same values)")
+            if plist is not None:
+                ts = [(f"{where}.parametrizations.{pname}.{n}", t) for n, t in plist._parameters.items()]
+            else:
+                ts = [(f"{where}.{pname}", getattr(lin, pname, None))]
+            for name, t in ts:
+                if t is None:
+                    continue
+                other = seen.setdefault(id(t), (name, t))[0]
+                check(fn, other == name,
+                      f"{name} is the same parameter as {other} (tied weights): the grouped "
+                      "module holds one copy per group, so they would no longer be tied; untie them first "
+                      "(copy.deepcopy each, to start the groups from the same values)")
 
 
 def _requires_grad(lin: nn.Module) -> dict:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
-from ..._checks import check
+from ..._checks import check, check_same_device_dtype
 from ...ops._sharding import refuse_sharded
 from ..linear import _copy_state, _refuse_shared_parameters, _requires_grad, check_plain_linear
 from .activations import _check_activation, _hooked
@@ -43,6 +43,12 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
         )
         check(
             fn,
+            "forward" not in vars(head),
+            f"heads[{h}] has its forward replaced on the instance: converting copies only its modules, "
+            "so the grouped model would compute nn.Sequential's forward instead",
+        )
+        check(
+            fn,
             len(mods) == len(ref),
             f"heads[{h}] has {len(mods)} modules but heads[0] has {len(ref)}",
         )
@@ -71,12 +77,11 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                 check(fn, _requires_grad(m) == _requires_grad(r),
                       f"heads[{h}][{k}] has requires_grad {_requires_grad(m)} but heads[0][{k}] has "
                       f"{_requires_grad(r)}: each grouped layer holds one parameter for every head")
-                check(
-                    fn,
-                    m.weight.device == r.weight.device and m.weight.dtype == r.weight.dtype,
-                    f"heads[{h}][{k}] is on {m.weight.device} {m.weight.dtype} but heads[0][{k}] "
-                    f"is on {r.weight.device} {r.weight.dtype}",
-                )
+                # The model holds one dtype and device, heads[0][0].weight's: a Linear or a bias in
+                # another would be cast or moved silently by the copies below, not converted losslessly.
+                w0 = ref[0].weight
+                check_same_device_dtype(fn, **{"heads[0][0].weight": w0, f"heads[{h}][{k}].weight": m.weight,
+                                               f"heads[{h}][{k}].bias": m.bias})
             else:
                 _check_activation(fn, m, f"heads[{h}][{k}]")
                 hooked = next((sub for sub in m.modules() if _hooked(sub)), None)

@@ -469,7 +469,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 pairs, then optionally an activation (``output_activation``), where an
                 activation is one or more stateless element-wise modules (``ReLU``, or
                 ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``); all Linear
-                shapes, bias flags, devices and dtypes equal across heads, and the same
+                shapes and bias flags equal across heads, every weight and bias on one device
+                and dtype, and the same
                 modules (type and settings) at each position.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
