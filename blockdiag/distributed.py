@@ -393,6 +393,8 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
             mine.backend = theirs.backend
         plain.activations = copy.deepcopy(model.activations)
         plain.output_activation = copy.deepcopy(model._modules.get("output_activation"))
+        if "_head_names" in model.__dict__:  # from_heads' names, for to_heads on the copy
+            plain._head_names = model._head_names
     elif isinstance(model, GroupedLinear):
         w = state["weight"]
         plain = GroupedLinear(

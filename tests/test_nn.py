@@ -979,3 +979,20 @@ def test_conversions_refuse_tied_weight_norm_linears():
     with pytest.raises(BlockDiagError, match=r"heads\[1\]\[0\]\.parametrizations\.weight\.original0 is the same"):
         GroupedMLP.from_heads([head, head])
     GroupedLinear.from_linears([weight_norm(nn.Linear(4, 3, bias=False)) for _ in range(2)])  # not tied
+
+
+def test_to_heads_gives_named_heads_back_under_their_names():
+    # The round trip numbered the modules: the loop's checkpoint keys (0.fc1.weight) and
+    # attributes (head.fc1) no longer fitted the heads to_heads gave back.
+    from collections import OrderedDict
+
+    heads = nn.ModuleList(nn.Sequential(OrderedDict(
+        fc1=nn.Linear(5, 4), act=nn.ReLU(), drop=nn.Dropout(0.0), out=nn.Linear(4, 2), squash=nn.Tanh()))
+        for _ in range(3))
+    model = GroupedMLP.from_heads(heads)
+    back = copy.deepcopy(pickle.loads(pickle.dumps(model))).to_heads()
+    assert list(back[0]._modules) == ["fc1", "act", "drop", "out", "squash"]
+    heads.load_state_dict(back.state_dict())  # strict: the same keys
+    x = torch.randn(6, 5)
+    torch.testing.assert_close(torch.cat([h(x) for h in back], -1), model(x))
+    assert list(GroupedMLP.from_heads(_three_heads()).to_heads()[0]._modules) == ["0", "1", "2"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -130,6 +131,11 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
                 layer.bias.copy_(torch.cat([lin.bias for lin in lins]))
     for layer, lin in zip(model.layers, lins0):  # training flags, frozen parameters
         _copy_state(lin, layer)
+    names = tuple(heads[0]._modules)
+    if names != tuple(str(k) for k in range(len(names))):
+        # A head's own names (Sequential(OrderedDict(fc1=...))) are its state_dict keys and
+        # attributes: to_heads names the modules it gives back so, not by position.
+        model._head_names = names
     return model
 
 
@@ -183,7 +189,12 @@ def to_heads(model) -> nn.ModuleList:
         if out_act is not None:
             out_act = copy.deepcopy(out_act)
             mods.extend(out_act if type(out_act) is nn.Sequential else (out_act,))
-        head = nn.Sequential(*mods)
+        # The names from_heads found, while the model still has as many modules per head.
+        names = model.__dict__.get("_head_names")
+        if names and len(names) == len(mods):
+            head = nn.Sequential(OrderedDict(zip(names, mods)))
+        else:
+            head = nn.Sequential(*mods)
         head.training = model.training
         out.append(head)
     return out

@@ -496,7 +496,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
 
         Returns:
             an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear[, act])``
-                (activations deep-copied) on this model's device and dtype. Hooks on the
+                (activations deep-copied) on this model's device and dtype, their modules
+                named as :meth:`from_heads`' heads named theirs. Hooks on the
                 model or its layers are not carried over: each sees all heads at once, which
                 no single head does; register them again where they belong.
 
