@@ -1076,6 +1076,55 @@ def test_bench_json_keeps_the_points_measured_before_the_run_stops(compiled, tmp
     assert len(doc["rows"]) == 2 and doc["summary"] and "argv" in doc and "torch" in doc
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["bench", "bench-compiled"])
+def test_an_interrupted_bench_rerun_keeps_the_earlier_complete_file(compiled, tmp_path, capsys, monkeypatch):
+    # Rerunning into the same --json FILE and stopping part way replaced the earlier complete
+    # run with the few points of the new one. Now the saves part way go to FILE.partial, FILE
+    # is replaced only by a complete run, and stderr says where the points are.
+    import blockdiag.tuning._bench as bench_mod
+    import blockdiag.tuning._compiled as compiled_mod
+
+    mod, name = (compiled_mod, "_bench_compiled_point") if compiled else (bench_mod._tuning, "measure")
+    real, calls = getattr(mod, name), []
+
+    def stops_at_the_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    out_json, partial = tmp_path / "b.json", tmp_path / "b.json.partial"
+    argv = ["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]
+    argv += ["--compiled", "linear", "--compiler", "eager", "--groups", "2,3,4"] if compiled else []
+    assert main(argv) == 0
+    earlier = out_json.read_text()
+    assert json.loads(earlier)["complete"] is True and not partial.exists()
+    capsys.readouterr()
+    monkeypatch.setattr(mod, name, stops_at_the_third)
+    assert main(argv) == 130
+    assert out_json.read_text() == earlier
+    doc = json.loads(partial.read_text())
+    assert doc["complete"] is False and len(doc["rows"]) == 2
+    err = capsys.readouterr().err
+    assert f"the 2 points measured so far are in {partial}" in err and f"{out_json} is as it was" in err
+    monkeypatch.setattr(mod, name, real)
+    assert main(argv) == 0  # a complete rerun replaces the file and leaves no partial beside it
+    assert json.loads(out_json.read_text())["complete"] is True and not partial.exists()
+
+
+def test_a_bench_stopped_before_its_first_point_says_nothing_was_written(tmp_path, capsys, monkeypatch):
+    import blockdiag.tuning._bench as bench_mod
+
+    def stops(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_mod._tuning, "measure", stops)
+    out_json = tmp_path / "b.json"
+    assert main(["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]) == 130
+    assert "no point was complete; nothing was written" in capsys.readouterr().err
+    assert not out_json.exists()
+
+
 def test_bench_json_goes_on_measuring_when_a_save_part_way_fails(tmp_path, capsys, monkeypatch):
     real, calls = profile.write_json_atomic, []
 

@@ -28,11 +28,20 @@ class _Saver:
     timeout, Ctrl-C, a failure at a later point) keeps what it measured; the end of the
     run saves it all as ``"complete": true``. Every write is atomic (``write_json_atomic``).
     A failed save part way is said once on stderr and the measuring goes on: the final save
-    raises the command's error, after the table is printed."""
+    raises the command's error, after the table is printed.
+
+    Where ``FILE`` already exists when the run starts (an earlier run's results, kept to
+    compare with), the saves part way go to ``FILE.partial`` beside it and ``FILE`` is
+    replaced only by the complete run: an interrupted rerun must not trade a complete file
+    for a few points. :meth:`interrupted` says on stderr where the run so far is."""
 
     def __init__(self, args, head: dict, summarize) -> None:
+        import os
+
         self.args, self.head, self.summarize = args, head, summarize
         self.warned = False
+        self.saved = 0
+        self.partial_path = args.json + ".partial" if os.path.lexists(args.json) else args.json
 
     def _out(self, rows: list, total: int, complete: bool) -> dict:
         return {**self.head, **_provenance(), "complete": complete, "points_done": len(rows), "points_total": total,
@@ -44,18 +53,45 @@ class _Saver:
         if len(rows) >= total:  # the final save follows
             return
         try:
-            prof.write_json_atomic(self.args.json, self._out(rows, total, False))
+            prof.write_json_atomic(self.partial_path, self._out(rows, total, False))
+            self.saved = len(rows)
         except OSError as e:
             if not self.warned:
                 self.warned = True
-                print(f"--json: cannot save the run so far to {self.args.json!r}: {e}; measuring goes on",
+                print(f"--json: cannot save the run so far to {self.partial_path!r}: {e}; measuring goes on",
                       file=sys.stderr)
 
     def final(self, rows: list) -> None:
+        import os
+
         from .. import profile as prof
 
         with _writing("--json", self.args.json):
             prof.write_json_atomic(self.args.json, self._out(rows, len(rows), True))
+        if self.partial_path != self.args.json:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.partial_path)
+
+    def interrupted(self) -> None:
+        """Say where the points measured before the run stopped are (or that none were saved)."""
+        if self.saved:
+            kept = "" if self.partial_path == self.args.json else f"; {self.args.json} is as it was"
+            print(f"--json: the {self.saved} points measured so far are in {self.partial_path} "
+                  f"(\"complete\": false){kept}", file=sys.stderr)
+        else:
+            print(f"--json: no point was complete; nothing was written to {self.args.json}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _telling(saver):
+    """Where measuring stops early (Ctrl-C, SIGTERM, an error at a later point), ``saver``
+    says where the run so far is."""
+    try:
+        yield
+    except BaseException:
+        if saver:
+            saver.interrupted()
+        raise
 
 
 def _builtin_columns(r: dict) -> str:
@@ -166,11 +202,12 @@ def _bench_compiled(args, grid, modes) -> int:
                           "argv": sys.argv[1:],
                           "compiled": {"models": list(args.compiled), "compiler": args.compiler, "dynamic": False},
                           "allocator_env": allocator_env()}, summarize_compiled) if args.json else None
-    rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
-                          backends=args.backends, rounds=args.repeat, min_time=args.min_time,
-                          baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
-                          refine=args.refine, compiler=args.compiler, progress=sys.stderr,
-                          on_row=saver.partial if saver else None)
+    with _telling(saver):
+        rows = bench_compiled(grid, device=args.device, dtype=args.dtype, modes=modes, models=args.compiled,
+                              backends=args.backends, rounds=args.repeat, min_time=args.min_time,
+                              baselines=not args.no_baselines, max_gflop=args.max_gflop, stat=args.stat,
+                              refine=args.refine, compiler=args.compiler, progress=sys.stderr,
+                              on_row=saver.partial if saver else None)
     summary = summarize_compiled(rows)
     # The results file first if printing fails (see cmd_bench).
     try:
@@ -271,7 +308,7 @@ def cmd_bench(args) -> int:
                           "dtype": str(args.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                           "statistic": args.stat, "rounds": args.repeat, "refine": args.refine,
                           "argv": sys.argv[1:], "allocator_env": allocator_env()}, summarize) if args.json else None
-    with ctx:
+    with ctx, _telling(saver):
         rows = bench(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
                      rounds=args.repeat, min_time=args.min_time, baselines=not args.no_baselines,
                      memory=args.json is not None and not args.no_memory, max_gflop=args.max_gflop,
