@@ -1112,6 +1112,27 @@ def test_an_interrupted_bench_rerun_keeps_the_earlier_complete_file(compiled, tm
     assert json.loads(out_json.read_text())["complete"] is True and not partial.exists()
 
 
+def test_an_interrupted_tune_leaves_the_profile_as_it_was_and_says_so(tmp_path, capsys, monkeypatch):
+    import blockdiag.tuning as tune_mod
+
+    path = tmp_path / "p.json"
+    assert main(["tune", *TINY, "--profile", str(path)]) == 0
+    before = path.read_bytes()
+    real, calls = tune_mod.measure, []
+
+    def stops_at_the_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tune_mod, "measure", stops_at_the_second)
+    capsys.readouterr()
+    assert main(["tune", *TINY, "--profile", str(path)]) == 130
+    assert path.read_bytes() == before
+    assert f"tune: stopped before the end; {path} was not changed" in capsys.readouterr().err
+
+
 def test_a_bench_stopped_before_its_first_point_says_nothing_was_written(tmp_path, capsys, monkeypatch):
     import blockdiag.tuning._bench as bench_mod
 

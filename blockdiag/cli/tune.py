@@ -52,9 +52,16 @@ def cmd_tune(args) -> int:
     old = (doc or {}).get("entries", {}).get(key)
     # The second opinion for rematches: this machine's earlier tune where there is one
     # (same device and torch), else the built-in table.
-    entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
-                 rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
-                 refine=args.refine, rematch=args.rematch, prior=old, progress=sys.stderr)
+    try:
+        entry = tune(grid, device=args.device, dtype=args.dtype, modes=modes, backends=args.backends,
+                     rounds=args.repeat, min_time=args.min_time, max_gflop=args.max_gflop, stat=args.stat,
+                     refine=args.refine, rematch=args.rematch, prior=old, progress=sys.stderr)
+    except BaseException:
+        # A tune stopped part way (Ctrl-C, SIGTERM, an error) writes nothing: the settings it
+        # derives and the points it ranks need the whole grid, and a part of a grid saved
+        # as an entry would replace the table for every shape on this device.
+        print(f"tune: stopped before the end; {path} was not changed", file=sys.stderr)
+        raise
     if not entry["measurements"]:
         raise BlockDiagError("tune: no point was measured, so nothing was written (an empty entry would "
                              "replace the built-in table for this machine)")
