@@ -893,6 +893,44 @@ def test_conversions_refuse_tied_parameters():
     GroupedLinear.from_linears(masked)  # computed weights, distinct originals: not tied
 
 
+@pytest.mark.parametrize("pname", ["weight", "bias"])
+@pytest.mark.parametrize("how", ["data", "view"])
+def test_conversions_refuse_parameters_over_shared_memory(pname, how):
+    # Two distinct Parameters over one storage (nn.Parameter(a.weight.data), or a view of
+    # it) are tied as a shared Parameter is, and became two independent copies.
+    def tie(a, b):
+        t = getattr(a, pname).data
+        setattr(b, pname, nn.Parameter(t if how == "data" else t.view(t.shape)))
+
+    a, b, c = nn.Linear(3, 2), nn.Linear(3, 2), nn.Linear(3, 2)
+    tie(a, c)
+    with pytest.raises(BlockDiagError, match=rf"linears\[2\]\.{pname} shares memory with linears\[0\]\.{pname}"):
+        GroupedLinear.from_linears([a, b, c])
+    heads = _three_heads()
+    tie(heads[0][2], heads[1][2])
+    with pytest.raises(BlockDiagError, match=rf"heads\[1\]\[2\]\.{pname} shares memory with heads\[0\]\[2\]\.{pname}"):
+        GroupedMLP.from_heads(heads)
+
+
+def test_conversions_take_parameters_on_one_storage_that_share_no_byte():
+    # Slices of one buffer (as FSDP and flat-parameter optimizers keep them), rows or
+    # interleaved columns, are separate memory: not tied.
+    flat = torch.randn(2, 2, 4)
+    lins = [nn.Linear(4, 2, bias=False) for _ in range(2)]
+    for k, lin in enumerate(lins):
+        lin.weight = nn.Parameter(flat[k])  # rows: disjoint spans
+    assert torch.equal(GroupedLinear.from_linears(lins).weight, flat)
+    wide = torch.randn(2, 8)
+    for k, lin in enumerate(lins):
+        lin.weight = nn.Parameter(wide[:, k::2])  # interleaved columns: the spans intersect
+    assert torch.equal(GroupedLinear.from_linears(lins).weight[1], wide[:, 1::2])
+    lins[1].weight = nn.Parameter(wide[:, 1:5])  # now reads wide[:, 2] and wide[:, 4] too
+    with pytest.raises(BlockDiagError, match=r"linears\[1\]\.weight shares memory with linears\[0\]\.weight"):
+        GroupedLinear.from_linears(lins)
+    meta = [nn.Linear(3, 2, device="meta") for _ in range(2)]
+    GroupedLinear.from_linears(meta)  # no memory: distinct Parameters are distinct
+
+
 def test_from_heads_names_a_missing_bias_as_such():
     heads = _three_heads()
     heads[1][0] = nn.Linear(heads[0][0].in_features, heads[0][0].out_features, bias=False)

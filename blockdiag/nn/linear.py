@@ -84,8 +84,15 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
 
 def _refuse_shared_parameters(fn: str, named: list) -> None:
     """Refuse Linears that share a parameter (weight tying, one module twice): the grouped
-    layer holds one copy per group, which would then train apart."""
+    layer holds one copy per group, which would then train apart.
+
+    Two distinct Parameters over the same memory (``nn.Parameter(a.weight.data)``, or a view
+    of it) are tied as well: a step on one changes the other. They are found by their
+    storage and the bytes each reads in it; tensors without real storage (meta, fake, a
+    subclass) are compared by identity only.
+    """
     seen: dict = {}  # id -> (name, tensor): the tensor kept alive, so that its id is not reused
+    spans: dict = {}  # (device, storage address) -> [(order, name, tensor, first byte, end byte)]
     for where, lin in named:
         for pname in ("weight", "bias"):
             # A parametrized parameter is computed per access: its originals are what is shared
@@ -98,11 +105,64 @@ def _refuse_shared_parameters(fn: str, named: list) -> None:
             for name, t in ts:
                 if t is None:
                     continue
-                other = seen.setdefault(id(t), (name, t))[0]
-                check(fn, other == name,
-                      f"{name} is the same parameter as {other} (tied weights): the grouped "
-                      "module holds one copy per group, so they would no longer be tied; untie them first "
-                      "(copy.deepcopy each, to start the groups from the same values)")
+                if id(t) in seen:
+                    other = seen[id(t)][0]
+                    check(fn, other == name,
+                          f"{name} is the same parameter as {other} (tied weights): the grouped "
+                          "module holds one copy per group, so they would no longer be tied; untie them first "
+                          "(copy.deepcopy each, to start the groups from the same values)")
+                    continue
+                seen[id(t)] = (name, t)
+                if type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta and t.layout == torch.strided \
+                        and t.numel() > 0:
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr:  # an address of 0 is no memory to share
+                        spans.setdefault((t.device, ptr), []).append((len(seen), name, t, *_byte_span(t)))
+    for group in spans.values():
+        group.sort(key=lambda e: e[3])  # by first byte
+        # Disjoint spans (Parameters sliced from one flat buffer, as FSDP keeps them) share no
+        # byte; only where one span reaches into the next are the bytes themselves compared.
+        if all(a[4] <= b[3] for a, b in zip(group, group[1:])):
+            continue
+        lo = group[0][3]
+        mask = torch.zeros(max(e[4] for e in group) - lo, dtype=torch.bool, device=group[0][2].device)
+        for k, (_, name, t, *_) in enumerate(group):
+            if bool(_bytes_of(mask, lo, t).any()):
+                # An earlier span holds one of these bytes: find which, for the message.
+                other = next(e for e in group[:k] if _bytes_overlap(e[2], t))
+                first, second = sorted((other, group[k]), key=lambda e: e[0])  # in the order given
+                raise BlockDiagError(
+                    f"{fn}: {second[1]} shares memory with {first[1]} (distinct Parameters over one "
+                    "storage, tied as one shared Parameter is): the grouped module holds one copy per "
+                    "group, so they would no longer be tied; untie them first (give each its own copy, "
+                    "nn.Parameter(p.detach().clone()))")
+            _bytes_of(mask, lo, t).fill_(True)
+
+
+def _byte_span(t: torch.Tensor) -> tuple:
+    """The first and one past the last byte of its storage that ``t`` (not empty) reads."""
+    e = t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * e, (t.storage_offset() + last + 1) * e
+
+
+def _bytes_of(mask: torch.Tensor, lo: int, t: torch.Tensor) -> torch.Tensor:
+    """The entries of ``mask`` (one per byte of a storage, from byte ``lo``) of the bytes ``t`` reads.
+
+    Spans can intersect without a shared byte (two column slices of one matrix), so bytes
+    are compared, not spans: each element's bytes are a trailing dimension of stride 1.
+    """
+    e = t.element_size()
+    return mask.as_strided((*t.shape, e), (*(s * e for s in t.stride()), 1), t.storage_offset() * e - lo)
+
+
+def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b``, on one storage, read a byte in common."""
+    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    lo = min(alo, blo)
+    mask = torch.zeros(max(ahi, bhi) - lo, dtype=torch.bool, device=a.device)
+    _bytes_of(mask, lo, a).fill_(True)
+    return bool(_bytes_of(mask, lo, b).any())
 
 
 def _requires_grad(lin: nn.Module) -> dict:

@@ -89,16 +89,24 @@ _IN_PLACE: dict[type, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tenso
 
 
 def _in_place(act: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``act`` as a function that overwrites its input where it has an in-place form, else ``act``."""
-    if type(act) is nn.Sequential and not _act_hooked(act):
+    """``act`` as a function that overwrites its input where it has an in-place form, else ``act``.
+
+    The in-place form stands for the class's own forward: a module whose forward is set on
+    the instance (a monkeypatch, a library's wrapper) or that has hooks runs as the module,
+    since ``__call__`` would run that forward or those hooks and the shortcut would not.
+    """
+    if _own_call(act):
+        return act
+    if type(act) is nn.Sequential:
         # A step's input is a tensor the chain owns when it is the hidden product or what a
-        # torch.nn step returned (its input, overwritten or not, or a new tensor); a module
-        # of the caller's own might return a tensor it keeps, so the step after it is not
-        # made in place.
+        # torch.nn step returned from an owned input (that input, overwritten or not, or a
+        # new tensor); a module of the caller's own might return a tensor it keeps, and no
+        # step after it is made in place: a torch.nn step may pass that tensor on (Identity,
+        # Dropout in eval), and a nested Sequential returns what its own steps do.
         steps, owned = [], True
         for m in act:
             steps.append(_in_place(m) if owned else m)
-            owned = _is_torch_nn(type(m))
+            owned = owned and _returns_owned(m)
 
         def run(h: torch.Tensor) -> torch.Tensor:
             for step in steps:
@@ -108,6 +116,22 @@ def _in_place(act: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return run
     make = _IN_PLACE.get(type(act))
     return act if make is None else make(act)
+
+
+def _own_call(act: nn.Module) -> bool:
+    """Whether calling ``act`` runs more than its class's forward: one set on the instance, or hooks."""
+    return "forward" in vars(act) or _act_hooked(act)
+
+
+def _returns_owned(m: nn.Module) -> bool:
+    """Whether ``m`` returns a tensor the chain owns whenever its input is one: torch.nn code only.
+
+    A torch.nn module returns its input or a new tensor; a Sequential does when each of its
+    steps does. A forward set on the instance is the caller's code, whatever the class.
+    """
+    if not _is_torch_nn(type(m)) or "forward" in vars(m):
+        return False
+    return type(m) is not nn.Sequential or all(_returns_owned(s) for s in m)
 
 
 def _act_hooked(act: nn.Module) -> bool:
