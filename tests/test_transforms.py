@@ -784,6 +784,19 @@ def test_a_config_block_inside_a_compiled_function_is_followed(batch_varying_pro
     assert "aten::convolution" not in ran and {"aten::bmm", "aten::baddbmm"} & ran, sorted(ran)
 
 
+def test_a_config_block_under_fullgraph_says_what_to_do():
+    # The block's graph break named no reason ("User-inserted graph break. Message: None").
+    layer = blockdiag.GroupedLinear(G * I, G * O, groups=G, backend="bmm")
+
+    def step(xx):
+        with blockdiag.config(sparsity_threshold=0.5):
+            return layer(xx)
+
+    with pytest.raises(Exception, match=r"blockdiag\.config\(\.\.\.\) runs eagerly.*set_config") as info:
+        torch.compile(step, backend="eager", fullgraph=True)(torch.randn(2, G * I))
+    assert isinstance(info.value, torch._dynamo.exc.Unsupported), type(info.value)
+
+
 def _aten_ops_run(fn) -> set[str]:
     from torch.profiler import profile as torch_profile
 
