@@ -221,10 +221,10 @@ def config(**settings: Any) -> Iterator[None]:
         # the graph is traced: the compiled code would silently run the plan of the settings
         # outside the block. A graph break runs the block eagerly; the layers inside it are
         # compiled on their own, under these settings, and guarded on them.
-        torch._dynamo.graph_break(msg=
-            "blockdiag.config(...) runs eagerly, not inside a compiled graph (the layers' plans are made "
-            "from the settings in force when the graph is traced); under fullgraph=True, enter the block "
-            "outside the compiled function, or set the settings with blockdiag.set_config")
+        torch._dynamo.graph_break(
+            msg="blockdiag.config(...) runs eagerly, not inside a compiled graph (the layers' plans are "
+                "made from the settings in force when the graph is traced); under fullgraph=True, enter "
+                "the block outside the compiled function, or set the settings with blockdiag.set_config")
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(frame)
     _local.key = _stack_id(stack)
