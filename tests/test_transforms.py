@@ -396,6 +396,85 @@ def _fw_bw_ops():
     return aot_autograd(fw_compiler=recorder(fw), bw_compiler=recorder(bw)), fw, bw
 
 
+def _saved_by_backward(partition):
+    """A torch.compile backend (AOTAutograd with ``partition``, no codegen) and, per graph, the
+    values its backward graph takes from the forward (not the incoming gradients)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved: list[list] = []
+
+    def recording(joint, joint_inputs, **kw):
+        fw, bw = partition(joint, joint_inputs, **kw)
+        saved.append([n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")
+                      if not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor)])
+        return fw, bw
+
+    def nop(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=recording), saved
+
+
+def _input_sized(t, n, width):
+    """Whether saved value ``t`` holds an activation: its storage grows with the batch (a
+    symbolic size) or holds at least ``n`` rows of ``width``. An expanded one-row stand-in holds one."""
+    nbytes = t.untyped_storage().nbytes()
+    return isinstance(nbytes, torch.SymInt) or nbytes >= n * width * t.element_size()
+
+
+@pytest.mark.parametrize("dynamic", [pytest.param(False, id="static"), pytest.param(True, id="dynamic")])
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("name", ["simd", "bmm_fm", "dense", "loop", "auto"])
+def test_a_compiled_frozen_layer_does_not_keep_its_input_for_backward(name, partitioner, dynamic):
+    # Only the weight gradient reads the input. A frozen layer whose input needs a gradient
+    # (saliency, a frozen head behind trained layers) compiled: nn.Linear's backward graph
+    # takes the weight only, and so must the layer's, for aot_eager's partitioner (default)
+    # and inductor's (min_cut), where the backward op still had the activation. Trained, the
+    # input is kept.
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    require_backend(name)
+    partition = default_partition if partitioner == "default" else min_cut_rematerialization_partition
+    w, b = _params(torch.float32)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    want = _reference(2 * x, w, b, gy)["input"] * 2
+    for frozen in (True, False):
+        torch._dynamo.reset()
+        layer = _layer(name, w, b).requires_grad_(not frozen)
+        backend, saved = _saved_by_backward(partition)
+        compiled = torch.compile(lambda t: layer(2 * t), backend=backend, dynamic=dynamic, fullgraph=True)
+        xg = x.detach().requires_grad_()
+        (gx,) = torch.autograd.grad((compiled(xg) * gy).sum(), xg)
+        _close(gx, want, torch.float32, what=f"{name} input gradient, frozen={frozen}")
+        (values,) = saved
+        kept = [tuple(t.shape) for t in values if _input_sized(t, N, G * I)]
+        if frozen:
+            assert not kept, f"{name}: a frozen layer's compiled backward keeps {kept}, an input-sized activation"
+        else:
+            assert kept, f"{name}: a trained layer's compiled backward keeps no input: {[tuple(t.shape) for t in values]}"
+
+
+def test_a_compiled_frozen_auto_layer_on_simds_cpp_ops_does_not_keep_its_input():
+    # The native route (simd's C++ ops recorded by auto at a static batch) saves what the
+    # ops' autograd Function saves.
+    from torch._functorch.partitioners import default_partition
+
+    w, b, x, gy, _want = _simd_chosen()
+    layer = _layer("auto", w, b).requires_grad_(False)
+    backend, fw, _bw = _fw_bw_ops()
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    compiled(x.detach().requires_grad_()).sum().backward()
+    assert "blockdiag.simd_native.default" in fw[0], sorted(fw[0])
+    torch._dynamo.reset()
+    backend, saved = _saved_by_backward(default_partition)
+    xg = x.detach().requires_grad_()
+    (gx,) = torch.autograd.grad((torch.compile(layer, backend=backend, dynamic=False)(xg) * gy).sum(), xg)
+    _close(gx, _reference(x, w, b, gy)["input"], torch.float32, what="input gradient")
+    kept = [tuple(t.shape) for t in saved[0] if _input_sized(t, N, G * I)]
+    assert not kept, f"the native route keeps {kept}"
+
+
 def _simd_chosen():
     """A profile where auto picks simd at batch N, and eager simd's results, float32.
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd import forward_ad as _fwad
 
 from .._errors import BlockDiagError
@@ -52,6 +54,9 @@ BACKWARD_SCHEMA = (
 )
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# What a traced graph's operands are while dynamo and AOTAutograd trace (both modules are
+# loaded by ``import torch`` itself): see kept_for_backward.
+_KEEPABLE = frozenset((*_PLAIN, FakeTensor, FunctionalTensor))
 _ENTRIES: dict[str, "OpEntry"] = {}
 
 # fn(x [N, G*in], weight [G, out, in], bias [G*out] | None) -> y [N, G*out]
@@ -400,10 +405,15 @@ def kept_for_backward(ctx, x: torch.Tensor) -> torch.Tensor:
     input (the activation) lived until the backward, where ``nn.Linear`` frees it as soon as
     the next layer is done with it. The stand-in has ``x``'s shape, dtype and device (the
     kernels read ``n`` from it) and a unit column stride, so every kernel takes it as it
-    would ``x``. Plain tensors outside ``torch.func`` only: a subclass (DTensor, FakeTensor)
-    carries placements or guards that a stand-in would not.
+    would ``x``.
+
+    Plain tensors, and the fake and functional tensors that ``torch.compile`` and
+    ``torch.export`` trace with: there the stand-in is two traced ops on the symbolic shape,
+    so a compiled backward takes a one-row tensor (or rebuilds it), not the activation. Not
+    under a ``torch.func`` transform, nor for another subclass: DTensor carries placements
+    that a stand-in would not have, and a user's subclass may carry anything.
     """
-    if ctx.needs_input_grad[1] or type(x) not in _PLAIN or torch._C._are_functorch_transforms_active():
+    if ctx.needs_input_grad[1] or type(x) not in _KEEPABLE or torch._C._are_functorch_transforms_active():
         return x
     return x.new_zeros((1,) * (x.dim() - 1) + x.shape[-1:]).expand(x.shape)
 
