@@ -1049,26 +1049,39 @@ def test_results_name_their_commit_and_whether_it_was_edited(tmp_path, monkeypat
     assert _run._provenance()["commit_dirty"] is True
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["bench", "bench-compiled"])
-def test_bench_json_keeps_the_points_measured_before_the_run_stops(compiled, tmp_path, capsys, monkeypatch):
-    # A run killed part way (a timeout, Ctrl-C, a later point failing) used to lose every
-    # point: the file was written only at the end. Here the third point is interrupted.
+def _bench_stopped_at(k: int, compiled: bool, out_json):
+    """``bench``'s argv writing ``out_json``, and a function that makes its ``k``-th point raise
+    ``KeyboardInterrupt`` (through ``monkeypatch``) and returns a function undoing that."""
     import blockdiag.tuning._bench as bench_mod
     import blockdiag.tuning._compiled as compiled_mod
 
     mod, name = (compiled_mod, "_bench_compiled_point") if compiled else (bench_mod._tuning, "measure")
-    real, calls = getattr(mod, name), []
-
-    def stops_at_the_third(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(mod, name, stops_at_the_third)
-    out_json = tmp_path / "b.json"
+    real = getattr(mod, name)
     argv = ["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]
     argv += ["--compiled", "linear", "--compiler", "eager", "--groups", "2,3,4"] if compiled else []
+
+    def stop(monkeypatch):
+        calls = []
+
+        def stops(*a, **kw):
+            calls.append(1)
+            if len(calls) == k:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, stops)
+        return lambda: monkeypatch.setattr(mod, name, real)
+
+    return argv, stop
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["bench", "bench-compiled"])
+def test_bench_json_keeps_the_points_measured_before_the_run_stops(compiled, tmp_path, capsys, monkeypatch):
+    # A run killed part way (a timeout, Ctrl-C, a later point failing) used to lose every
+    # point: the file was written only at the end. Here the third point is interrupted.
+    out_json = tmp_path / "b.json"
+    argv, stop = _bench_stopped_at(3, compiled, out_json)
+    stop(monkeypatch)
     assert main(argv) == 130  # the CLI's exit status for an interrupt
     doc = json.loads(out_json.read_text())
     assert doc["complete"] is False
@@ -1081,33 +1094,20 @@ def test_an_interrupted_bench_rerun_keeps_the_earlier_complete_file(compiled, tm
     # Rerunning into the same --json FILE and stopping part way replaced the earlier complete
     # run with the few points of the new one. Now the saves part way go to FILE.partial, FILE
     # is replaced only by a complete run, and stderr says where the points are.
-    import blockdiag.tuning._bench as bench_mod
-    import blockdiag.tuning._compiled as compiled_mod
-
-    mod, name = (compiled_mod, "_bench_compiled_point") if compiled else (bench_mod._tuning, "measure")
-    real, calls = getattr(mod, name), []
-
-    def stops_at_the_third(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
     out_json, partial = tmp_path / "b.json", tmp_path / "b.json.partial"
-    argv = ["bench", *TINY, "--no-baselines", "--no-memory", "--json", str(out_json)]
-    argv += ["--compiled", "linear", "--compiler", "eager", "--groups", "2,3,4"] if compiled else []
+    argv, stop = _bench_stopped_at(3, compiled, out_json)
     assert main(argv) == 0
     earlier = out_json.read_text()
     assert json.loads(earlier)["complete"] is True and not partial.exists()
     capsys.readouterr()
-    monkeypatch.setattr(mod, name, stops_at_the_third)
+    undo = stop(monkeypatch)
     assert main(argv) == 130
     assert out_json.read_text() == earlier
     doc = json.loads(partial.read_text())
     assert doc["complete"] is False and len(doc["rows"]) == 2
     err = capsys.readouterr().err
     assert f"the 2 points measured so far are in {partial}" in err and f"{out_json} is as it was" in err
-    monkeypatch.setattr(mod, name, real)
+    undo()
     assert main(argv) == 0  # a complete rerun replaces the file and leaves no partial beside it
     assert json.loads(out_json.read_text())["complete"] is True and not partial.exists()
 

@@ -208,6 +208,19 @@ ACTIVATIONS = [
 ]
 
 
+def _against_the_layers(strategy, activation, mode):
+    """A float64 GroupedMLP of ``strategy``, the same with ``strategy="layers"`` and an input,
+    frozen or requiring grad as ``mode`` ("no_grad", "frozen", "train") says."""
+    torch.manual_seed(0)
+    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy=strategy, dtype=torch.float64)
+    b = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="layers", dtype=torch.float64)
+    b.load_state_dict(a.state_dict())
+    if mode == "frozen":
+        a.requires_grad_(False)
+        b.requires_grad_(False)
+    return a, b, _x(a, 7, requires_grad=mode == "train")
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("mode", ["no_grad", "frozen", "train"])
 @pytest.mark.parametrize("strategy", ["fm_chain", "heads"])
@@ -216,14 +229,7 @@ def test_in_place_activations_agree_with_the_layers(strategy, activation, mode, 
     # with an in-place form on its own hidden tensor; the result is the layers' in every
     # case, the caller's input is untouched, and training (which needs the activation's
     # input) is unchanged.
-    torch.manual_seed(0)
-    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy=strategy, dtype=torch.float64)
-    b = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="layers", dtype=torch.float64)
-    b.load_state_dict(a.state_dict())
-    if mode == "frozen":
-        a.requires_grad_(False)
-        b.requires_grad_(False)
-    x = _x(a, 7, requires_grad=mode == "train")
+    a, b, x = _against_the_layers(strategy, activation, mode)
     x0 = x.detach().clone()
     called = []  # one entry per call of an in-place form
     for cls, make in list(mlp_activations._IN_PLACE.items()):
@@ -263,14 +269,7 @@ REPLACED_FORWARDS = [
 def test_an_activation_with_its_forward_replaced_runs_that_forward(strategy, activation, mode):
     # __call__ runs a forward set on the instance; the in-place form stands for the class's
     # forward, so such an activation must run as the module on every path.
-    torch.manual_seed(0)
-    a = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy=strategy, dtype=torch.float64)
-    b = GroupedMLP(6, [5, 4], 2, heads=3, activation=activation, strategy="layers", dtype=torch.float64)
-    b.load_state_dict(a.state_dict())
-    if mode == "frozen":
-        a.requires_grad_(False)
-        b.requires_grad_(False)
-    x = _x(a, 7, requires_grad=mode == "train")
+    a, b, x = _against_the_layers(strategy, activation, mode)
     with torch.set_grad_enabled(mode != "no_grad"):
         torch.testing.assert_close(a(x), b(x), **F64)
 
