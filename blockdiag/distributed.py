@@ -135,13 +135,15 @@ def _check_local_width(fn: str, x, layout: Placement, width: int, world: int) ->
         )
 
 
-def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None):
+def _to_dtensor(fn: str, x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None,
+                width: int | None = None):
     """``x`` as a DTensor laid out as ``layout`` says it is, then redistributed to ``want``.
 
     A DTensor input is taken as it is laid out, replicated, partial or sharded on any dimension
     (unevenly too), and redistributed to ``want``.
 
-    ``want``: the layout the op reads (``Shard(-1)``, by group, for a sharded layer), taken
+    ``want``: the layout the op reads (``Shard(-1)``, by group, for a layer of several
+    groups; ``Replicate()`` for one group, split by output rows), taken
     here in the module's hook as torch's ``RowwiseParallel`` takes its own, rather than left
     to the op's sharding rule: there a replicated input's slice was traced with this rank's
     offsets into a compiled graph that torch's compile caches, which do not key on the rank,
@@ -149,8 +151,29 @@ def _to_dtensor(x, mesh: DeviceMesh, layout: Placement, want: Placement | None =
     """
     if not isinstance(x, torch.Tensor):
         return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            # Checked before its placements are read: those of a mesh with more dimensions do
+            # not fit this 1-D mesh, and torch cannot redistribute across meshes.
+            raise BlockDiagError(
+                f"{fn}: the input is a DTensor on {x.device_mesh} with placements {tuple(x.placements)}, but the "
+                f"parameters are sharded over {mesh}; pass the input as a DTensor on that mesh, or as a plain "
+                "tensor laid out as input_layouts says"
+            )
+    else:
+        kw = {}
+        if width is not None and type(layout) is Shard:
+            # The global shape from the module's own width, with contiguous strides, rather than
+            # inferred from the local tensor's: torch.compile may trace a local slice's width and
+            # row stride as symbols (compiled again for another width), and DTensor's sharding
+            # cache cannot hash a spec that holds one.
+            shape = (*x.shape[:-1], width)
+            stride, step = [], 1
+            for d in reversed(shape):
+                stride.insert(0, step)
+                step = step * d
+            kw = {"shape": torch.Size(shape), "stride": tuple(stride)}
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False, **kw)
     if want is not None and not _laid_out_as(x, want):
         sliced = _laid_out_as(x, Replicate())
         x = x.redistribute(mesh, (want,))
@@ -197,8 +220,9 @@ class GroupParallel(ParallelStyle):
 
     Raises:
         BlockDiagError: a layout other than the above; when applied, another module type, a
-            mesh that is not 1-D, or a group (head) count the mesh cannot split evenly (the
-            message names it and the number of ranks).
+            mesh that is not 1-D, a group (head) count the mesh cannot split evenly (the
+            message names it and the number of ranks), or ``input_layouts=Shard(-1)`` on a
+            one-group layer whose ``in_features`` the mesh cannot split evenly.
     """
 
     def __init__(
@@ -234,20 +258,53 @@ class GroupParallel(ParallelStyle):
             _check_split(fn, "groups", module.groups, world, "groups")
         else:
             _check_split(fn, "out_features", module.out_features, world, "output rows of the one group")
+            if isinstance(self.input_layouts, Shard) and module.in_features % world:
+                # Each rank's share of a sharded input is taken as in_features / world wide
+                # (its global width is inferred from it): refused here, on every rank alike,
+                # rather than on the ranks whose torch.chunk piece is wider, before a collective.
+                raise BlockDiagError(
+                    f"{fn}: input_layouts=Shard(-1) on a one-group layer with in_features={module.in_features}, "
+                    f"which {world} ranks cannot share evenly; pass the input replicated (input_layouts=Replicate(), "
+                    f"the default) or use a mesh dimension whose size divides {module.in_features} "
+                    f"({_divisors(module.in_features)})"
+                )
         _shard_layer(module, device_mesh, getattr(self, "src_data_rank", 0))
-        by_group = Shard(-1) if module.groups > 1 else None
+        # The layout the op reads: by group, or for one group (column parallel, as torch's
+        # ColwiseParallel) the whole input. Taken here, not left to the op's rule: a DTensor
+        # input whose rows are sharded unevenly could not be flattened to the op's 2-D rows.
+        by_group = Shard(-1) if module.groups > 1 else Replicate()
 
-        def prepare(mod, inputs, mesh):
-            _check_local_width(fn, inputs[0], self.input_layouts, module.in_features, world)
-            return (_to_dtensor(inputs[0], mesh, self.input_layouts, by_group), *inputs[1:])
+        def prepare(x):
+            _check_local_width(fn, x, self.input_layouts, module.in_features, world)
+            return _to_dtensor(fn, x, device_mesh, self.input_layouts, by_group, module.in_features)
 
+        _on_input(module, prepare)
         return distribute_module(
             module,
             device_mesh,
             None,
-            prepare,
+            None,
             lambda mod, out, mesh: _finish(out, self.output_layouts, self.use_local_output),
         )
+
+
+def _on_input(module: nn.Module, prepare) -> None:
+    """Run ``prepare`` on the input of every call of ``module``, passed positionally or as ``x=``.
+
+    A forward pre-hook that sees keyword arguments: ``distribute_module``'s own input hook
+    is given the positional ones only, so ``model(x=batch)`` would reach the layers unprepared.
+    """
+
+    def hook(mod, args, kwargs):
+        if args:
+            x = prepare(args[0])
+            return None if x is args[0] else ((x, *args[1:]), kwargs)
+        if "x" in kwargs:
+            x = prepare(kwargs["x"])
+            return None if x is kwargs["x"] else (args, {**kwargs, "x": x})
+        return None  # no input: the forward's own TypeError says so
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _shard_layer(layer: GroupedLinear, mesh: DeviceMesh, src_data_rank) -> None:
@@ -288,13 +345,13 @@ def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupP
     # dynamic shapes (its width symbol is not bound in the backward graph).
     width = model.heads * model.in_features
 
-    def prepare(mod, inputs):
-        _check_local_width(fn, inputs[0], style.input_layouts, width, world)
+    def prepare(x):
+        _check_local_width(fn, x, style.input_layouts, width, world)
         if isinstance(style.input_layouts, Replicate):
-            return None
-        return (_to_dtensor(inputs[0], mesh, style.input_layouts), *inputs[1:])
+            return x
+        return _to_dtensor(fn, x, mesh, style.input_layouts, width=width)
 
-    model.register_forward_pre_hook(prepare)
+    _on_input(model, prepare)
     return model
 
 
@@ -373,9 +430,11 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
             parallel, FSDP2, or both).
 
     Returns:
-        a new model of the same type and configuration (each layer's backend, training
-        mode and ``requires_grad``) on the parameters' device, with plain parameters equal to
-        the full tensors; ``model`` is unchanged.
+        a new ``GroupedMLP`` or ``GroupedLinear`` of the same configuration (each layer's
+        backend, training mode and ``requires_grad``) on the parameters' device, with plain
+        parameters equal to the full tensors; ``model`` is unchanged. A subclass's own class
+        is not rebuilt (its constructor may take other arguments): load the result's
+        ``state_dict()`` into an instance of it.
 
     Raises:
         BlockDiagError: another module type.

@@ -144,4 +144,4 @@ def test_benchmark_parameters_do_not_depend_on_the_grid_size():
         sys.path.remove(str(ASV))
     assert ratios.GroupedLinearRatios.unit == ratios.BackendRatios.unit == ratios.ForumMLPRatio.unit == "ratio"
     assert ratios.BackendRatios.params[0][: len(KNOWN_BACKENDS)] == list(KNOWN_BACKENDS)
-    assert len(ratios.SHAPES) == 4 and ratios.MODES == ["forward", "train"]
+    assert len(ratios.SHAPES) == 6 and ratios.MODES == ["forward", "train"]

@@ -221,12 +221,41 @@ def test_dtensor_inputs_in_any_layout(w2):
         assert len(c) == 4 and all(e <= F64 for e in c.values()), c
 
 
+def test_one_group_layer_dtensor_rows_sharded_unevenly_and_unshareable_sharded_input(w2):
+    # The shared-input model's first layer (column parallel) reads the whole input: a 3-D
+    # input whose rows the ranks do not divide is replicated first (it could not be flattened).
+    for r in w2:
+        c = dict(r["dtensor_inputs_one_group"])
+        assert "in_features=5, which 2 ranks cannot share evenly" in c.pop("uneven_input"), r
+        assert sorted(c) == ["linear", "mlp"] and all(isinstance(e, float) and e <= F64 for e in c.values()), c
+
+
 def test_refusals_on_a_group_parallel_model_name_the_cause(w2):
     for r in w2:
         m = r["messages"]
         assert ("with input_layouts=Shard(-1) each rank passes its own groups' features, [..., 20 / 2 = 10]; "
                 "this rank passed shape (3, 20) (the whole input?") in m["whole_input"], m
         assert "layers[0].weight is not a plain tensor parameter (a DTensor of group parallelism" in m["fm_chain"], m
+
+
+def test_reset_parameters_of_a_distributed_layer_equals_a_plain_layers(w2):
+    # On a CPU mesh DTensor draws each rank's shard from the rank's own generator: ranks seeded
+    # alike would get copies of each other's groups. Drawn whole, the values are a plain layer's.
+    for r in w2:
+        assert r["reset_parameters"] == {"group_parallel": 0.0, "fsdp2": 0.0}, r["reset_parameters"]
+
+
+def test_input_passed_as_keyword(w2):
+    # model(x=batch) is prepared as model(batch) is (the layout hooks see keyword arguments).
+    for r in w2:
+        assert r["keyword_input"] == {"linear": 0.0, "mlp": 0.0, "mlp_sharded_input": 0.0}, r["keyword_input"]
+
+
+def test_dtensor_input_on_another_mesh_refused_naming_both(w2):
+    for r in w2:
+        for key, m in r["input_on_another_mesh"].items():
+            assert m.startswith("BlockDiagError: ") and "the input is a DTensor on DeviceMesh((dp=1, gp=2)" in m, (key, m)
+            assert "parameters are sharded over DeviceMesh((gp=2)" in m, (key, m)
 
 
 def test_gather_model_keeps_layer_backends_and_eval_mode(w2):
@@ -243,8 +272,9 @@ def test_compiled_group_parallel_layer_over_a_warm_compile_cache(tmp, monkeypatc
         where = tmp / f"compiled-{launch}"  # each launch its own file store
         where.mkdir()
         for rank, r in enumerate(_run_ok("compiled", 2, where)):
+            assert {"sharded-input-0", "sharded-input-1"} <= r.keys(), r.keys()
             for backend, c in r.items():
-                assert c["out"] <= F64 and c["grad"] <= F64, (launch, rank, backend, c)
+                assert isinstance(c["out"], float) and c["out"] <= F64 and c["grad"] <= F64, (launch, rank, backend, c)
 
 
 def test_a_rank_that_raises_does_not_hang_the_others(tmp):
@@ -603,7 +633,11 @@ def _job_w2(rank, world, tmp):
     res["masked_fsdp2"] = _masked_fsdp2(mesh)
     res["double_backward"] = _double_backward(mesh, world)
     res["dtensor_inputs"] = _dtensor_inputs(mesh, world)
+    res["dtensor_inputs_one_group"] = _dtensor_inputs_one_group(mesh, world)
+    res["input_on_another_mesh"] = _input_on_another_mesh(world)
+    res["keyword_input"] = _keyword_input(mesh, world)
     res["messages"] = _messages(mesh, world)
+    res["reset_parameters"] = _reset_parameters(mesh, world)
     # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
     mixed = blockdiag.GroupedMLP(4, [6], 2, heads=2 * world).eval()
     mixed.layers[1].backend = "bmm"
@@ -639,6 +673,7 @@ def _job_compiled(rank, world, tmp):
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
 
     import blockdiag
     from blockdiag import distributed as bdd
@@ -647,6 +682,24 @@ def _job_compiled(rank, world, tmp):
     g, i, o = 3 * world, 3, 2
     mine = bdd.local_groups(g, mesh)
     res = {}
+    # First (before any other compile of the layer): layers of two widths with an input sharded
+    # by group, compiled one after the other; the second compile traces the local width as a
+    # symbol (automatic dynamic shapes).
+    for k, i_k in enumerate((3, 5)):
+        torch.manual_seed(2)
+        layer = blockdiag.GroupedLinear(g * i_k, g * o, g, dtype=torch.float64)
+        ref = copy.deepcopy(layer)
+        bdd.parallelize_groups(layer, mesh, input_layouts=Shard(-1))
+        x = torch.randn(5, g * i_k, dtype=torch.float64)
+        gy = torch.randn(5, g * o, dtype=torch.float64)
+        try:
+            y = torch.compile(layer)(x[:, mine.start * i_k:mine.stop * i_k])
+            y.backward(gy[:, mine.start * o:mine.stop * o])
+            ref(x).backward(gy)
+            res[f"sharded-input-{k}"] = {"out": _err(y, ref(x)[:, mine.start * o:mine.stop * o]),
+                                         "grad": max(_err(p.grad, q.grad) for p, q in zip(layer.parameters(), ref.parameters()))}
+        except Exception as e:  # recorded, so that the job's other results still come back
+            res[f"sharded-input-{k}"] = {"out": f"{type(e).__name__}: {e}"[:500], "grad": None}
     for backend in ("bmm", "auto"):
         torch.manual_seed(0)
         layer = blockdiag.GroupedLinear(g * i, g * o, g, backend=backend, dtype=torch.float64)
@@ -742,6 +795,120 @@ def _dtensor_inputs(mesh, world):
         ref(xr).backward(gy)
         out[f"{shape} {placement}"] = max(_err(y, ref(whole)), _err(x.grad, xr.grad),
                                           _err(layer.weight.grad, ref.weight.grad), _err(layer.bias.grad, ref.bias.grad))
+    return out
+
+
+def _dtensor_inputs_one_group(mesh, world):
+    """A DTensor input, rows sharded unevenly (3-D), into the one-group (column-parallel) first
+    layer of a shared-input GroupedMLP and into a one-group GroupedLinear: errors, or the failure."""
+    import copy
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    out = {}
+    for name, make in (("mlp", lambda: blockdiag.GroupedMLP(5, [4], 2, heads=2 * world, dtype=torch.float64)),
+                       ("linear", lambda: blockdiag.GroupedLinear(5, 4 * world, 1, dtype=torch.float64))):
+        torch.manual_seed(6)
+        model = make()
+        ref = copy.deepcopy(model)
+        bdd.parallelize_groups(model, mesh, output_layouts=Replicate())
+        whole = torch.randn(world + 1, 3, 5, dtype=torch.float64)  # rows the ranks do not divide
+        x = distribute_tensor(whole, mesh, [Shard(0)]).requires_grad_()
+        xr = whole.clone().requires_grad_()
+        try:
+            y = model(x)
+            y.pow(2).sum().backward()
+            ref(xr).pow(2).sum().backward()
+            out[name] = max(_err(y, ref(whole)), _err(x.grad, xr.grad),
+                            *(_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+        except Exception as e:  # recorded, so that the rest of the job still runs
+            out[name] = f"{type(e).__name__}: {e}"
+    # A sharded input of a width the ranks cannot share: refused when parallelized, on every
+    # rank (not on the ranks whose torch.chunk piece is wider, with the others in a collective).
+    try:
+        bdd.parallelize_groups(blockdiag.GroupedLinear(2 * world + 1, 2 * world, 1), mesh, input_layouts=Shard(-1))
+        out["uneven_input"] = "not refused"
+    except blockdiag.BlockDiagError as e:
+        out["uneven_input"] = str(e)
+    return out
+
+
+def _reset_parameters(mesh, world):
+    """Deferred init (meta device, distribute, to_empty, reset_parameters) against a plain model's
+    reset_parameters under the same seed: the largest difference, group parallel and FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    heads = 2 * world
+    ref = blockdiag.GroupedMLP(3, [4], 2, heads=heads)
+    torch.manual_seed(7)
+    for layer in ref.layers:
+        layer.reset_parameters()
+    out = {}
+    for name, distribute in (("group_parallel", lambda m: bdd.parallelize_groups(m, mesh)),
+                             ("fsdp2", lambda m: fully_shard(m, mesh=mesh))):
+        with torch.device("meta"):
+            model = blockdiag.GroupedMLP(3, [4], 2, heads=heads)
+        distribute(model)
+        model.to_empty(device="cpu")
+        torch.manual_seed(7)
+        with warnings.catch_warnings():  # DTensor's "random operators ... on cpu device mesh"
+            warnings.simplefilter("ignore", UserWarning)
+            for layer in model.layers:
+                layer.reset_parameters()
+        out[name] = max(_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+def _keyword_input(mesh, world):
+    """A group-parallel layer and model called as ``module(x=...)``: the difference from a
+    positional call, or the failure."""
+    from torch.distributed.tensor import Shard
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    g = 2 * world
+    out = {}
+    for name, module, width, layouts in (
+        ("linear", blockdiag.GroupedLinear(3 * g, 2 * g, g, dtype=torch.float64), 3 * g, {}),
+        ("mlp", blockdiag.GroupedMLP(3, [4], 2, heads=g, dtype=torch.float64), 3, {}),
+        ("mlp_sharded_input", blockdiag.GroupedMLP(3, [4], 2, heads=g, shared_input=False, dtype=torch.float64),
+         3 * g // world, {"input_layouts": Shard(-1)}),
+    ):
+        bdd.parallelize_groups(module, mesh, **layouts)
+        x = torch.randn(5, width, dtype=torch.float64)
+        try:
+            out[name] = _err(module(x=x), module(x))
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _input_on_another_mesh(world):
+    """A DTensor input on the 2-D mesh whose "gp" dimension the model is sharded over: the refusal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "gp"))
+    out = {}
+    for shared in (True, False):
+        model = blockdiag.GroupedMLP(3, [4], 2, heads=2 * world, shared_input=shared)
+        bdd.parallelize_groups(model, mesh2["gp"])
+        x = distribute_tensor(torch.randn(4, 3 if shared else 6 * world), mesh2, [Shard(0), Replicate()])
+        try:
+            model(x)
+            out["shared" if shared else "per_head"] = "not refused"
+        except Exception as e:
+            out["shared" if shared else "per_head"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -449,6 +449,18 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     return y if x.dim() == 2 else y.reshape(*lead, g * o)
 
 
+def _reset_distributed(p, bound: float) -> None:
+    """U(-bound, bound) into the DTensor ``p``: the whole tensor drawn here, this rank's shard kept."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with torch.no_grad():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device).uniform_(-bound, bound)
+        mesh = p.device_mesh
+        # Replicate -> any placement is a local slice on each rank: no communication.
+        mine = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        p.to_local().copy_(mine.redistribute(mesh, p.placements).to_local())
+
+
 class GroupedLinear(nn.Module):
     """``groups`` independent ``nn.Linear(in_features // groups, out_features // groups)``.
 
@@ -530,12 +542,24 @@ class GroupedLinear(nn.Module):
         self._backend = name
 
     def reset_parameters(self) -> None:
-        """As ``nn.Linear.reset_parameters`` per block: U(-1/sqrt(block_in), 1/sqrt(block_in))."""
+        """As ``nn.Linear.reset_parameters`` per block: U(-1/sqrt(block_in), 1/sqrt(block_in)).
+
+        A distributed parameter (a DTensor: group parallel, FSDP2) is drawn whole on every
+        rank, from the default generator as a plain layer's would be, and each rank keeps its
+        own shard: DTensor's random ops draw a shard from the rank's own generator on devices
+        without its RNG tracker (CPU), so ranks seeded alike (as the guide asks) would draw the
+        same values and the groups on different ranks would be copies of each other. With the
+        same seed the result equals a plain layer's ``reset_parameters``.
+        """
         bound = 1.0 / math.sqrt(self.block_in)
         # nn.Linear uses kaiming_uniform_(a=sqrt(5)), whose bound is exactly 1/sqrt(fan_in).
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        for p in (self.weight, self.bias):
+            if p is None:
+                continue
+            if _sharding.is_dtensor(p):
+                _reset_distributed(p, bound)
+            else:
+                nn.init.uniform_(p, -bound, bound)
 
     def plan(self, x: torch.Tensor) -> Plan:
         """The backend this layer uses for ``x`` and why (print it for a report).
