@@ -221,14 +221,13 @@ def which_backend_markdown() -> str:
             f, t = counts[key]["forward"][n], counts[key]["train"][n]
             cells.append("–" if not (f or t) else f"{f} / {t}")
         rows2.append(f"| `{n}` | " + " | ".join(cells) + " |")
-    grid = sorted({(m["batch"], m["groups"]) for _, e in entries for m in e["measurements"]})
-    batches = ", ".join(str(b) for b in sorted({b for b, _ in grid}))
-    groups = ", ".join(str(g) for g in sorted({g for _, g in grid}))
+    groups = ", ".join(str(g) for g in sorted({m["groups"] for _, e in entries for m in e["measurements"]}))
     return (
         "\n".join(rows)
         + "\n\n"
-        + f"Each cell names the fastest backend at the table's points for that block (batch "
-        f"{batches} x groups {groups}, float32), with how many points each won where more than "
+        + f"Each cell names the fastest backend at the table's points for that block (groups "
+        f"{groups} at the batches each entry measured, listed with the entries below; float32), "
+        "with how many points each won where more than "
         "one did. A backend absent from a machine's column was slower everywhere there, or "
         "cannot run on it.\n\n"
         + "How many points each backend is the fastest at (forward / training):\n\n"
@@ -242,20 +241,22 @@ def builtin_tables_markdown() -> str:
     table = _builtin()
     defaults = table.get("defaults", {})
     rows = [
-        ("| entry | device name | torch | `simd` variant | points (forward / training) | measured | "
-         "settings it implies | used |"),
-        "|---|---|---|---|---|---|---|---|",
+        ("| entry | device name | torch | `simd` variant | batches (forward / training) | points (forward / training) "
+         "| measured | settings it implies | used |"),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, e in _entries_in_order(table):
         ms = e["measurements"]
         nf = sum(m["mode"] == "forward" for m in ms)
         nt = sum(m["mode"] == "train" for m in ms)
+        bf, bt = ({m["batch"] for m in ms if m["mode"] == mode} for mode in ("forward", "train"))
+        batches = ", ".join(map(str, sorted(bf))) + ("" if bf == bt else " / " + ", ".join(map(str, sorted(bt))))
         s = e.get("settings", {})
         st = "<br>".join(f"`{k}={v}`" for k, v in sorted(s.items())) or "–"
         used = "default for " + e["device"] if defaults.get(e["device"]) == key else "on a device of this name"
         rows.append(
             f"| {_entry_label(key, e)} | {e.get('device_name', '')} | {e.get('torch', '')} | "
-            f"{e.get('simd_variant') or '–'} | {nf} / {nt} | "
+            f"{e.get('simd_variant') or '–'} | {batches} | {nf} / {nt} | "
             f"{str(e.get('created', ''))[:10]} | {st} | {used} |"
         )
     return "\n".join(rows) + "\n"

@@ -47,8 +47,11 @@ from .common import (
 )
 from .mlp import HEADS, IN, OUT, _heads
 
-# (groups/batch/block): the forum shape, a square-block shape, few large groups, many tiny ones.
-SHAPES = grid(["50/256/150x10", "16/256/64x64", "4/1024/256x256", "256/64/10x10"], ["3/4/6x4"])
+# (groups/batch/block): the forum shape, a square-block shape, few large groups, many tiny ones;
+# then a few rows (serving, acting) and a very large batch of tiny blocks (memory-bound), the
+# batches beyond most of the built-in table's, where auto ranks from its nearest points.
+SHAPES = grid(["50/256/150x10", "16/256/64x64", "4/1024/256x256", "256/64/10x10", "4/4/10x10", "4/16384/10x10"],
+              ["3/4/6x4"])
 MODES = ["forward", "train"]
 REFERENCES = ("auto", "ideal", "linear_loop")
 
