@@ -4,6 +4,7 @@ modules against the compiled peers (``--compiled``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Sequence
 
@@ -36,8 +37,6 @@ class _Saver:
     for a few points. :meth:`interrupted` says on stderr where the run so far is."""
 
     def __init__(self, args, head: dict, summarize) -> None:
-        import os
-
         self.args, self.head, self.summarize = args, head, summarize
         self.warned = False
         self.saved = 0
@@ -62,8 +61,6 @@ class _Saver:
                       file=sys.stderr)
 
     def final(self, rows: list) -> None:
-        import os
-
         from .. import profile as prof
 
         with _writing("--json", self.args.json):
