@@ -890,6 +890,35 @@ def test_reentrant_checkpoint_recomputes_the_random_activation_it_ran(act, compi
         model(torch.randn(32, 8))  # deciding as in training runs under inference mode too
 
 
+@pytest.mark.parametrize("how", ["layers", "auto-hooked"])
+def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how):
+    # The layers strategy under a reentrant checkpoint: each layer's auto plan follows the
+    # grad mode, and with it its output's layout (bmm_fm's feature-major view under no_grad,
+    # simd's rows with grad here), in which Dropout draws its mask: the recomputation dropped
+    # other units than the output returned, and the gradients were of that other forward.
+    torch.manual_seed(0)
+    model = GroupedMLP(5, [6, 7], 7, heads=4, activation=_relu_dropout, strategy=how.split("-")[0])
+    if how == "auto-hooked":
+        model.layers[1].register_forward_hook(lambda *args: None)  # auto then runs the layers
+    x = torch.randn(32, 5, requires_grad=True)
+    h = torch.empty(32, model.layers[1].in_features)
+    with torch.no_grad():
+        inference = model.layers[1](h).is_contiguous()
+    if inference == model.layers[1](h).is_contiguous():
+        pytest.skip("here the layer's plans give one output layout with and without grad")
+    torch.manual_seed(1)
+    y = checkpoint(model, x, use_reentrant=True)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    got = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(1)
+    want_y = model(x)
+    want_y.backward(gy)
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(got, x.grad)
+
+
 def test_one_input_per_head_runs_the_layers_and_says_why():
     # Each head reads one scalar: the layer's plan is ONE_INPUT_RULE's (simd first on CPU),
     # which the chain would replace by bmm_fm's GEMM at k = 1.

@@ -585,6 +585,34 @@ def test_an_undefined_gradient_under_forward_ad_is_no_gradient(name):
     torch.testing.assert_close(x.grad, torch.ones_like(x))
 
 
+def _forward_over_reverse(fn, x, w, b, tangents):
+    """The gradients of ``tanh(fn(x, w, b))**2`` summed, and their tangents, in one dual level."""
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t.detach().clone().requires_grad_(), v) for t, v in zip((x, w, b), tangents)]
+        grads = torch.autograd.grad(torch.tanh(fn(*duals)).pow(2).sum(), duals)
+        return [fwAD.unpack_dual(g) for g in grads]
+
+
+@pytest.mark.parametrize("wrt", ["input", "params", "all"])
+@pytest.mark.parametrize("name", ALL)
+def test_forward_over_reverse_gives_the_tangent_of_the_gradient(name, wrt):
+    # A backward run inside a dual level (forward-over-reverse: the tangent of a gradient is a
+    # Hessian-vector product) must carry the tangents of the gradient and the operands through
+    # the gradient, as nn.Linear's does. The C kernels dropped them (the product came out
+    # silently zero, under auto too); loop's out= products raised NotImplementedError.
+    require_backend(name)
+    x, w, b = _operands(SHAPE, torch.float64, False, True)
+    zeros = [torch.zeros_like(t) for t in (x, w, b)]
+    tangents = [torch.randn_like(t) if wrt == "all" or (k == 0) == (wrt == "input") else z
+                for k, (t, z) in enumerate(zip((x, w, b), zeros))]
+    got = _forward_over_reverse(lambda x, w, b: grouped_linear(x, w, b, backend=name), x, w, b, tangents)
+    want = _forward_over_reverse(reference_loop, x, w, b, tangents)
+    for what, (g, t), (gw, tw) in zip(("input", "weight", "bias"), got, want):
+        torch.testing.assert_close(g, gw, msg=lambda m, what=what: f"{name}: gradient of {what}: {m}")
+        assert t is not None, f"{name}: the gradient of {what} lost its tangent"
+        torch.testing.assert_close(t, tw, msg=lambda m, what=what: f"{name}: tangent of the {what} gradient: {m}")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_gradcheck_float64(name):
     require_backend(name)

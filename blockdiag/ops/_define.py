@@ -26,9 +26,10 @@ Three routes reach a backend (:class:`OpEntry`):
   profiler, dispatch modes): the registered op.
 
 The backward: the backend's own first-order kernels through its backward op; under
-``create_graph=True`` (double backward) or a ``torch.func`` transform, the batched-matmul
-formulas written in differentiable torch ops, for a backend declaring ``double_grad`` (a
-first-order backend refuses double backward with :class:`BlockDiagError`).
+``create_graph=True`` (double backward), a ``torch.func`` transform, or a forward-mode tangent
+on the gradient or an operand (forward-over-reverse), the batched-matmul formulas written in
+differentiable torch ops, for double backward only where the backend declares ``double_grad``
+(a first-order backend refuses double backward with :class:`BlockDiagError`).
 """
 
 from __future__ import annotations
@@ -343,24 +344,30 @@ def _validate(name: str, x, weight, bias) -> None:
     _VALID[key] = True
 
 
-def differentiable_backward_needed(gy: torch.Tensor) -> bool:
+def differentiable_backward_needed(gy: torch.Tensor, x: Optional[torch.Tensor] = None,
+                                   weight: Optional[torch.Tensor] = None) -> bool:
     """Whether a backward must be written in differentiable torch ops rather than run the kernels.
 
     Under ``create_graph=True`` (grad mode is on in the backward), under a ``torch.func``
-    transform, and for batched gradients (``autograd.grad(..., is_grads_batched=True)``, whose
-    vmap hands the backward a batched tensor without a functorch transform in force): the
-    kernels see plain tensors only, and their results would not be differentiable.
+    transform, for batched gradients (``autograd.grad(..., is_grads_batched=True)``, whose
+    vmap hands the backward a batched tensor without a functorch transform in force), and
+    inside a forward-mode dual level where the gradient or a saved operand (``x``,
+    ``weight``) carries a tangent (forward-over-reverse: the tangent of the gradient is a
+    Hessian-vector product): the kernels see plain tensors only, so their results would not
+    be differentiable, and would drop the tangent (or, written with ``out=``, raise).
     """
     return (
         torch.is_grad_enabled()
         or torch._C._are_functorch_transforms_active()
         or torch._C._functorch.is_batchedtensor(gy)
         or torch._C._functorch.is_legacy_batchedtensor(gy)
+        # The level first: outside a dual level (every ordinary backward) nothing is unpacked.
+        or (_fwad._current_level >= 0 and forward_ad_active(gy, x, weight))
     )
 
 
-def _differentiable_backward(name: str, ctx, gy):
-    """Double backward or a ``torch.func`` transform: the gradients in differentiable ops."""
+def _differentiable_backward(name: str, ctx, gy, x, weight):
+    """Double backward, a ``torch.func`` transform or forward-over-reverse: the gradients in differentiable ops."""
     from ..backends import get
 
     # Only a true double backward needs the declaration: torch.func and batched gradients
@@ -372,7 +379,6 @@ def _differentiable_backward(name: str, ctx, gy):
             f"{name}: the backward is first-order only and cannot be differentiated again "
             f"(create_graph=True); {double_grad_hint(gy.device.type)}"
         )
-    x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
 
@@ -437,9 +443,9 @@ def _functions(entry: OpEntry) -> None:
     def backward_kernels(ctx, gy):
         if gy is None:
             return None, None, None
-        if differentiable_backward_needed(gy):
-            return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors
+        if differentiable_backward_needed(gy, x, weight):
+            return _differentiable_backward(name, ctx, gy, x, weight)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx, gw, gb = entry.run_backward(gy, x, weight, ctx.has_bias, need_x, need_w)
         return gx, gw, (gb if need_b else None)
@@ -447,9 +453,9 @@ def _functions(entry: OpEntry) -> None:
     def backward_op(ctx, gy):
         if gy is None:
             return None, None, None
-        if differentiable_backward_needed(gy):
-            return _differentiable_backward(name, ctx, gy)
         x, weight = ctx.saved_tensors
+        if differentiable_backward_needed(gy, x, weight):
+            return _differentiable_backward(name, ctx, gy, x, weight)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx, gw, gb = entry.bwd_op(gy, x, weight, ctx.has_bias, need_x, need_w)
         return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None)

@@ -158,8 +158,9 @@ def _backward(ctx, gy):
         return None, None, None
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    if differentiable_backward_needed(gy):
-        # auto always has a differentiable backward: double backward and torch.func use it.
+    if differentiable_backward_needed(gy, x, weight):
+        # auto always has a differentiable backward: double backward, torch.func and
+        # forward-over-reverse use it.
         return generic_backward(gy, x, weight, ctx.has_bias, need_x, need_w, need_b)
     gx, gw, gb = BACKWARD(gy, x, weight, ctx.has_bias, need_x, need_w)
     return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None)

@@ -16,7 +16,7 @@ from ...ops.fm_rows import fm_rows
 from ..linear import GroupedLinear
 from . import heads as _heads
 from . import strategy as _strategy
-from .activations import _check_activation, _in_place
+from .activations import _check_activation, _in_place, _random
 from .strategy import STRATEGIES, MLPPlan, StrategyChoice
 
 
@@ -280,6 +280,13 @@ class GroupedMLP(StrategyChoice, nn.Module):
         for k, layer in enumerate(self._modules["layers"]._modules.values()):
             x = layer(x)
             if k < n_act:
+                # A random activation (Dropout, RReLU in training) draws its numbers in its
+                # input's memory order, and a layer's output layout is its plan's (bmm_fm
+                # returns a feature-major view), which follows the grad mode: a reentrant
+                # checkpoint's no_grad forward and its recomputation with grad would draw
+                # different masks. Such an activation is given rows in both.
+                if not x.is_contiguous() and _random(acts[k]):
+                    x = x.contiguous()
                 x = acts[k](x)
         return x
 
