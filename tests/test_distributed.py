@@ -251,6 +251,17 @@ def test_input_passed_as_keyword(w2):
         assert r["keyword_input"] == {"linear": 0.0, "mlp": 0.0, "mlp_sharded_input": 0.0}, r["keyword_input"]
 
 
+def test_empty_batches_through_group_parallel_modules(w2):
+    # DTensor's view rule fails on shapes with a zero ("integer modulo by zero"); plain modules
+    # take empty batches, and so must group-parallel ones, output shard shapes and backward too.
+    for r in w2:
+        assert len(r["empty_inputs"]) == 9
+        for key, got in r["empty_inputs"].items():
+            assert isinstance(got, list), (key, got)
+            shape, want, grads = got
+            assert shape == want and grads == 0.0, (key, got)
+
+
 def test_dtensor_input_on_another_mesh_refused_naming_both(w2):
     for r in w2:
         for key, m in r["input_on_another_mesh"].items():
@@ -636,6 +647,7 @@ def _job_w2(rank, world, tmp):
     res["dtensor_inputs_one_group"] = _dtensor_inputs_one_group(mesh, world)
     res["input_on_another_mesh"] = _input_on_another_mesh(world)
     res["keyword_input"] = _keyword_input(mesh, world)
+    res["empty_inputs"] = _empty_inputs(mesh, world)
     res["messages"] = _messages(mesh, world)
     res["reset_parameters"] = _reset_parameters(mesh, world)
     # gather_model keeps each layer's backend ("mixed" is no backend name) and eval mode.
@@ -887,6 +899,40 @@ def _keyword_input(mesh, world):
             out[name] = _err(module(x=x), module(x))
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _empty_inputs(mesh, world):
+    """Empty batches (``[2, 0, W]``, ``[0, 3, W]``, ``[0, W]``) through group-parallel modules:
+    ``[output shape, plain module's output shape, sum of |gradients|]``, or the failure."""
+    from torch.distributed.tensor import Replicate
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    g = 2 * world
+    out = {}
+    for name, make, layouts in (
+        ("linear", lambda: blockdiag.GroupedLinear(3 * g, 2 * g, g), {}),
+        ("linear_replicated", lambda: blockdiag.GroupedLinear(3 * g, 2 * g, g), {"output_layouts": Replicate()}),
+        ("mlp", lambda: blockdiag.GroupedMLP(3 * g, [4], 2, heads=g), {}),
+    ):
+        torch.manual_seed(0)
+        plain = make()
+        module = bdd.parallelize_groups(make(), mesh, **layouts)
+        for lead in ((2, 0), (0, 3), (0,)):
+            x = torch.randn(*lead, 3 * g)
+            key = f"{name}{list(lead)}"
+            try:
+                y = module(x)
+                y.sum().backward()
+                grads = sum(float(_full(p.grad).abs().sum()) for p in module.parameters() if p.grad is not None)
+                want = list(plain(x).shape)
+                if "replicated" not in name:
+                    want[-1] //= world
+                out[key] = [list(y.shape), want, grads]
+            except Exception as e:
+                out[key] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -420,7 +420,11 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         _sharding.ensure()
     g, o, i = _check_operands(fn, x, weight, bias)
     lead = x.shape[:-1]
-    x2 = x if x.dim() == 2 else x.reshape(lead.numel(), g * i)
+    empty_dtensor = lead.numel() == 0 and _sharding.is_dtensor(x)
+    if x.dim() == 2:
+        x2 = x
+    else:
+        x2 = _reshape_empty_dtensor(x, (0, g * i)) if empty_dtensor else x.reshape(lead.numel(), g * i)
     if _onnx_exporting():
         # ONNX has no blockdiag ops, and no backend's kernel means anything to an ONNX
         # runtime: every backend computes one function, recorded as one batched matmul in
@@ -446,7 +450,41 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     else:
         entry = get(backend, fn).fn
         y = entry.call_op(x2, weight, bias) if isinstance(entry, OpEntry) else entry(x2, weight, bias)
-    return y if x.dim() == 2 else y.reshape(*lead, g * o)
+    if x.dim() == 2:
+        return y
+    if empty_dtensor and _sharding.is_dtensor(y):
+        return _reshape_empty_dtensor(y, (*lead, g * o))
+    return y.reshape(*lead, g * o)
+
+
+def _reshape_empty_dtensor(t, shape: tuple[int, ...]):
+    """The empty DTensor ``t`` reshaped to ``shape``, rows to rows and columns to columns.
+
+    DTensor's view rule fails on shapes with a zero (torch 2.13: "integer modulo by zero" for
+    ``[2, 0, W]``, "cannot unflatten unevenly sharded" for ``[0, 3, W]`` split by columns),
+    forward and backward, where a plain empty batch runs. An empty tensor holds no values, so
+    it is rebuilt from its (empty) local shard: a shard of the last dimension stays on the last,
+    a shard of a leading one goes to the first. ``to_local`` and ``from_local`` are
+    differentiable, so the gradients still reach the parameters (as zeros, as for ``nn.Linear``).
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = []
+    for p in t.placements:
+        if type(p) is Shard:
+            placements.append(Shard(len(shape) - 1 if p.dim % t.dim() == t.dim() - 1 else 0))
+        elif isinstance(p, (Replicate, Partial)):
+            placements.append(p)
+        else:  # a placement of torch's own making (strided shards): its rule's to read
+            return t.reshape(shape)
+    local, _ = compute_local_shape_and_global_offset(shape, t.device_mesh, placements)
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.insert(0, step)
+        step = step * max(d, 1)
+    return DTensor.from_local(t.to_local().reshape(local), t.device_mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
 
 
 def _reset_distributed(p, bound: float) -> None:
