@@ -1,10 +1,11 @@
 """Masked gradient updates: keep a dense ``nn.Linear`` weight exactly block-diagonal.
 
 :func:`mask_block_diagonal_` registers a ``torch.nn.utils.parametrize`` parametrization
-``weight = original * mask``. Whatever any optimizer does to ``original`` (momentum, Adam's
-moments, decoupled weight decay, clipping), the ``weight`` that forward uses and that users
-read is recomputed from it through the mask, so its off-diagonal entries are exactly
-``0.0`` (a product with ``False``), and their gradient w.r.t. ``original`` is exactly zero.
+``weight = torch.where(mask, original, 0)``. Whatever any optimizer does to ``original``
+(momentum, Adam's moments, decoupled weight decay, clipping), the ``weight`` that forward uses
+and that users read is recomputed from it through the mask, so its off-diagonal entries are
+exactly ``0.0`` (selected, not multiplied by ``False``: ``inf * 0`` is NaN), and their gradient
+w.r.t. ``original`` is exactly zero.
 ``original`` is also zeroed off the diagonal when the mask is installed.
 
 Checkpoints: ``state_dict()`` stores the masked weight under the plain key ``weight``, so the
@@ -43,7 +44,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class BlockDiagonalMask(nn.Module):
-    """Parametrization ``W -> W * mask`` for a ``[G*out, G*in]`` weight.
+    """Parametrization ``W -> torch.where(mask, W, 0)`` for a ``[G*out, G*in]`` weight.
 
     >>> m = BlockDiagonalMask(2, (1, 2))
     >>> m(torch.ones(2, 4))
@@ -305,6 +306,17 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
         check(fn, _mask_of(linear) is None, "linear is already masked")
         check(fn, False, f"linear.weight is already parametrized ({', '.join(present)}): mask it first, then "
                          "register the others on top of the mask")
+    # A parametrization replaces a parameter or buffer. A weight that is neither is a plain
+    # attribute that a forward pre-hook recomputes from other tensors (torch.nn.utils.prune,
+    # the old weight_norm and spectral_norm): torch's refusal says the module has no 'weight'
+    # at all, which the user can see is there.
+    if linear._parameters.get("weight") is None and linear._buffers.get("weight") is None:
+        held = [n for n, _ in (*linear.named_parameters(recurse=False), *linear.named_buffers(recurse=False))]
+        check(fn, False, f"linear.weight is neither a parameter nor a buffer of the {type(linear).__name__} "
+                         f"(it holds {', '.join(held) or 'none'}): a hook recomputes it from others, as "
+                         "torch.nn.utils.prune and the old torch.nn.utils.weight_norm / spectral_norm do; "
+                         "remove that first (prune.remove, remove_weight_norm, remove_spectral_norm), then mask; "
+                         "a parametrization registered on top of the mask takes its place")
     out_f, in_f = w.shape
     check_groups(fn, groups, in_f, out_f)
     mask = BlockDiagonalMask(groups, (out_f // groups, in_f // groups))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from blockdiag import BlockDiagError, block_diag_mask, mask_block_diagonal_, remove_block_diagonal_mask_
 
@@ -127,6 +129,33 @@ def test_bad_input(module, groups, match):
         mask_block_diagonal_(module, groups)
 
 
+def _hooked(apply):
+    lin = nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the old weight_norm announces its deprecation
+        apply(lin)
+    return lin
+
+
+@pytest.mark.parametrize(
+    "apply, held",
+    [
+        (lambda lin: prune.l1_unstructured(lin, "weight", 0.5), "bias, weight_orig, weight_mask"),
+        (lambda lin: nn.utils.weight_norm(lin), "bias, weight_g, weight_v"),
+        (lambda lin: nn.utils.spectral_norm(lin), "bias, weight_orig, weight_u, weight_v"),
+    ],
+    ids=["prune", "old-weight_norm", "old-spectral_norm"],
+)
+def test_a_weight_recomputed_by_a_hook_is_refused_saying_so(apply, held):
+    # linear.weight is there (a tensor that the hook recomputes), only not as a parameter:
+    # torch's own refusal claimed the module had no 'weight'.
+    lin = _hooked(apply)
+    assert isinstance(lin.weight, torch.Tensor)
+    with pytest.raises(BlockDiagError, match=rf"neither a parameter nor a buffer of the Linear \(it holds {held}\)"
+                                             r".*remove that first"):
+        mask_block_diagonal_(lin, 2)
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA is not available")
 @pytest.mark.cuda
 def test_mask_follows_module_to_device():
@@ -155,6 +184,22 @@ def test_a_non_finite_input_does_not_poison_other_blocks(device, bad):
     assert bool(torch.isfinite(y[:, :3]).all())
     lin.load_state_dict(lin.state_dict())  # its own checkpoint loads again
 
+
+
+def test_a_non_finite_input_reaches_every_block_of_the_row_as_the_faq_says():
+    # docs/faq.md ("A NaN in one head shows up in other heads"): a masked nn.Linear multiplies
+    # the whole dense matrix, so 0 * NaN reaches the other blocks' outputs and, through a loss
+    # over every output, their weights; while the mask keeps the off-diagonal exactly zero.
+    lin = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    off = ~block_diag_mask(2, (3, 2))
+    x = torch.randn(5, 4)
+    x[0, 3] = float("nan")  # read by block 1 only
+    y = lin(x)
+    assert bool(y[0, :3].isnan().all()) and bool(torch.isfinite(y[1:]).all())
+    ((y - torch.randn(5, 6)) ** 2).mean().backward()
+    torch.optim.SGD(lin.parameters(), lr=0.1).step()
+    assert bool(lin.weight[:3, :2].isnan().any())  # block 0 never read the NaN
+    assert bool((lin.weight[off] == 0.0).all())
 
 # --- meta-device initialisation (issue 22, item 7) ------------------------------------------
 # Build under torch.device("meta"), mask, to_empty(device=...), then reset_parameters() or load

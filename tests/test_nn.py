@@ -1019,6 +1019,42 @@ def test_conversions_refuse_tied_weight_norm_linears():
     GroupedLinear.from_linears([weight_norm(nn.Linear(4, 3, bias=False)) for _ in range(2)])  # not tied
 
 
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "autocast"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("name", ["auto", "bmm", "simd"])
+def test_a_parametrized_weight_and_bias_are_computed_once_per_forward(name, grad, amp):
+    # forward read self.weight / self.bias again after _autocast (to compare, then for
+    # _run_cast): a parametrization ran three times per forward where nn.Linear runs it once,
+    # so spectral_norm advanced its power iteration three times and every parametrization
+    # cost three times. The product must also use the one value computed (simd under
+    # autocast multiplies the float32 operands as they were read).
+    require_backend(name)
+    from torch.nn.utils import parametrize
+
+    class Recorded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.values = []
+
+        def forward(self, w):
+            self.values.append(w * (1.0 + torch.rand(()).item()))  # another value on every call
+            return self.values[-1]
+
+    layer = GroupedLinear(8, 6, 2, backend=name)
+    rw, rb = Recorded(), Recorded()
+    parametrize.register_parametrization(layer, "weight", rw)
+    parametrize.register_parametrization(layer, "bias", rb)
+    rw.values.clear()
+    rb.values.clear()
+    x = torch.randn(5, 8)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        y = layer(x)
+        want = grouped_linear(x, rw.values[0].detach(), rb.values[0].detach(), backend=name)
+    assert (len(rw.values), len(rb.values)) == (1, 1)
+    assert y.dtype == want.dtype
+    torch.testing.assert_close(y.detach(), want)
+
 def test_to_heads_gives_named_heads_back_under_their_names():
     # The round trip numbered the modules: the loop's checkpoint keys (0.fc1.weight) and
     # attributes (head.fc1) no longer fitted the heads to_heads gave back.

@@ -627,14 +627,17 @@ class GroupedLinear(nn.Module):
         Raises:
             BlockDiagError: see :meth:`plan`.
         """
-        x0 = x
-        x, w, b = _autocast(x, self.weight, self.bias)
+        # weight and bias are read once: a parametrized one is computed on every read (a
+        # spectral_norm advances its power iteration, a random one draws again), and the
+        # product must run on the one value read, as nn.Linear's does.
+        x0, w0, b0 = x, self.weight, self.bias
+        x, w, b = _autocast(x, w0, b0)
         if plain_eager(x, w, b):
             try:
                 name = _select(type(self).__name__, self._backend, x, w, b)
-                if x is x0 and w is self.weight and b is self.bias:
+                if x is x0 and w is w0 and b is b0:
                     return _run(name, x, w, b)
-                return _run_cast(name, (x0, self.weight, self.bias), x, w, b)
+                return _run_cast(name, (x0, w0, b0), x, w, b)
             except Exception:
                 _explain_failure(type(self).__name__, x, w, b)
                 raise
