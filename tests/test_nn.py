@@ -1055,6 +1055,38 @@ def test_a_parametrized_weight_and_bias_are_computed_once_per_forward(name, grad
     assert y.dtype == want.dtype
     torch.testing.assert_close(y.detach(), want)
 
+def test_to_linears_and_to_heads_read_a_parametrized_weight_once():
+    # Read per group, a parametrization that changes on every read (spectral_norm's power
+    # iteration in training mode) gave each head another matrix's block.
+    from torch.nn.utils import parametrize
+
+    class Drifting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, w):
+            self.calls += 1
+            return w * self.calls
+
+    layer = GroupedLinear(8, 6, 2)
+    d = Drifting()
+    parametrize.register_parametrization(layer, "weight", d)
+    d.calls = 0
+    heads = layer.to_linears()
+    assert d.calls == 1
+    assert torch.equal(torch.stack([h.weight for h in heads]), layer.parametrizations.weight.original)
+
+    model = GroupedMLP(4, [3], 2, heads=3)
+    d = Drifting()
+    parametrize.register_parametrization(model.layers[0], "weight", d)
+    d.calls = 0
+    heads = model.to_heads()
+    assert d.calls == 1
+    w = model.layers[0].parametrizations.weight.original.reshape(3, 3, 4)
+    assert all(torch.equal(head[0].weight, w[h]) for h, head in enumerate(heads))
+
+
 def test_to_heads_gives_named_heads_back_under_their_names():
     # The round trip numbered the modules: the loop's checkpoint keys (0.fc1.weight) and
     # attributes (head.fc1) no longer fitted the heads to_heads gave back.

@@ -169,12 +169,17 @@ def _requires_grad(lin: nn.Module) -> dict:
     return {n: t.requires_grad for n, t in (("weight", lin.weight), ("bias", lin.bias)) if t is not None}
 
 
-def _copy_state(src: nn.Module, dst: nn.Module) -> None:
-    """``src``'s training flag and its parameters' ``requires_grad`` onto ``dst`` (a conversion's copy)."""
+def _copy_state(src: nn.Module, dst: nn.Module, read: tuple | None = None) -> None:
+    """``src``'s training flag and its parameters' ``requires_grad`` onto ``dst`` (a conversion's copy).
+
+    ``read``: ``(weight, bias)`` as the caller already read them from ``src`` (with grad
+    enabled), so that a parametrized weight is not computed again.
+    """
     dst.training = src.training
     # Only where it differs: requires_grad_ is refused inside a torch.func transform, where
     # a conversion may run (a reference model built from heads inside jvp).
-    for a, b in ((src.weight, dst.weight), (src.bias, dst.bias)):
+    weight, bias = (src.weight, src.bias) if read is None else read
+    for a, b in ((weight, dst.weight), (bias, dst.bias)):
         if a is not None and a.requires_grad != b.requires_grad:
             b.requires_grad_(a.requires_grad)
 
@@ -732,14 +737,17 @@ class GroupedLinear(nn.Module):
         """
         _sharding.refuse_sharded("GroupedLinear.to_linears", self)
         out = nn.ModuleList()
+        # Read once: a parametrized weight is computed on every read (spectral_norm steps its
+        # power iteration), and every head must come from the one value.
+        weight, bias = self.weight, self.bias
         for g in range(self.groups):
-            lin = nn.Linear(self.block_in, self.block_out, bias=self.bias is not None,
-                            device=self.weight.device, dtype=self.weight.dtype)
+            lin = nn.Linear(self.block_in, self.block_out, bias=bias is not None,
+                            device=weight.device, dtype=weight.dtype)
             with torch.no_grad():
-                lin.weight.copy_(self.weight[g])
-                if self.bias is not None:
-                    lin.bias.copy_(self.bias[g * self.block_out:(g + 1) * self.block_out])
-            _copy_state(self, lin)
+                lin.weight.copy_(weight[g])
+                if bias is not None:
+                    lin.bias.copy_(bias[g * self.block_out:(g + 1) * self.block_out])
+            _copy_state(self, lin, (weight, bias))
             out.append(lin)
         return out
 

@@ -169,16 +169,20 @@ def to_heads(model) -> nn.ModuleList:
     refuse_sharded("GroupedMLP.to_heads", model)
     sizes = [model.in_features, *model.hidden_features, model.out_features]
     out = nn.ModuleList()
+    # Each layer's weight and bias read once: a parametrized one is computed on every read
+    # (spectral_norm steps its power iteration), and every head must come from the one value.
+    read = [(layer.weight, layer.bias) for layer in model.layers]
     for h in range(model.heads):
         mods: list[nn.Module] = []
         for k, layer in enumerate(model.layers):
             o, i = sizes[k + 1], sizes[k]
-            lin = nn.Linear(i, o, bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype)
+            weight, bias = read[k]
+            lin = nn.Linear(i, o, bias=bias is not None, device=weight.device, dtype=weight.dtype)
             with torch.no_grad():
-                lin.weight.copy_(layer.weight.reshape(model.heads, o, i)[h])
-                if layer.bias is not None:
-                    lin.bias.copy_(layer.bias[h * o:(h + 1) * o])
-            _copy_state(layer, lin)
+                lin.weight.copy_(weight.reshape(model.heads, o, i)[h])
+                if bias is not None:
+                    lin.bias.copy_(bias[h * o:(h + 1) * o])
+            _copy_state(layer, lin, read[k])
             mods.append(lin)
             if k < len(model.activations):
                 act = copy.deepcopy(model.activations[k])
