@@ -272,8 +272,15 @@ def _blocks_from_coo(
     out = torch.zeros(groups, r, c, dtype=vals.dtype, device=vals.device)
     inside = (rows // r) == (cols // c)  # stored zeros off the diagonal are dropped
     rows, cols, vals = rows[inside], cols[inside], vals[inside]
-    out.index_put_((rows // r, rows % r, cols % c), vals, accumulate=True)
+    # torch has no index_put for uint16/32/64 (a scipy matrix of them reaches here): the
+    # signed type of the same width is scattered instead, whose wrapping sum has the same bits.
+    signed = _SIGNED_OF.get(vals.dtype)
+    target, vals = (out, vals) if signed is None else (out.view(signed), vals.view(signed))
+    target.index_put_((rows // r, rows % r, cols % c), vals, accumulate=True)
     return out
+
+
+_SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 def to_blocks(matrix: Any, groups: int) -> torch.Tensor:

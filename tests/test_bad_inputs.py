@@ -118,3 +118,18 @@ def test_a_dtype_no_backend_runs_is_refused_at_construction(module, dtype, patte
             "GroupedMLP": lambda: GroupedMLP(I, O, 1, G, dtype=dtype)}[module]
     with pytest.raises(BlockDiagError, match=rf"^{module}: {pattern}"):
         make()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fm_chain"])
+@pytest.mark.parametrize("shared_input", [False, True], ids=["own-inputs", "shared-input"])
+def test_a_jagged_input_to_a_compiled_mlp_is_named(strategy, shared_input):
+    # The chain's reshape failed inside dynamo's fake-tensor run (TorchRuntimeError, "cannot
+    # view shape (2, s27, 6) as [-1, 6]"), which GroupedMLP.forward's except never sees.
+    mlp = GroupedMLP(I, [O], 1, heads=G, shared_input=shared_input, strategy=strategy)
+    n_in = I if shared_input else G * I
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.nested.nested_tensor([torch.randn(2, n_in), torch.randn(3, n_in)], layout=torch.jagged)
+    torch._dynamo.reset()
+    with pytest.raises(BlockDiagError, match=r"GroupedMLP: input is a nested tensor.*to_padded_tensor"):
+        torch.compile(mlp, backend="eager")(x)

@@ -291,6 +291,19 @@ def test_a_scipy_dtype_torch_lacks_is_refused_or_converted_as_asked():
     assert blocks.dtype == torch.float64 and torch.equal(blocks, torch.ones(3, 2, 2, dtype=torch.float64))
 
 
+
+@pytest.mark.parametrize("np_dtype", [np.uint16, np.uint32, np.uint64])
+def test_a_scipy_matrix_of_wide_unsigned_ints_gives_its_blocks(np_dtype):
+    # torch has no index_put for these dtypes: to_blocks and from_scipy (even with a float
+    # dtype asked for) raised its NotImplementedError, naming neither the function nor the matrix.
+    top = np.iinfo(np_dtype).max
+    blocks = np.array([[[1, top]], [[top, 2]]], dtype=np_dtype)
+    a = sp.block_diag(list(blocks), format="csr")
+    got = blockdiag.to_blocks(a, 2)
+    np.testing.assert_array_equal(got.numpy(), blocks)
+    m = blockdiag.from_scipy(a, 2, dtype=torch.float64, layout="dense")
+    np.testing.assert_array_equal(m.numpy(), a.toarray().astype(np.float64))
+
 def test_a_one_dimensional_scipy_array_is_refused():
     with pytest.raises(BlockDiagError, match=r"to_blocks: matrix must be 2-D, got shape \(6,\)"):
         blockdiag.to_blocks(sp.coo_array(np.ones(6)), 3)

@@ -646,6 +646,54 @@ def test_a_dtype_the_backend_declines_is_refused_after_another_dtype_of_the_same
         op(x.half(), w.half(), None)  # not torch's NotImplementedError from inside the kernel
 
 
+
+# (id, forward operands (x, weight, bias) from the good ones, pattern)
+BAD_FORWARD = [
+    ("bias-short", lambda x, w, b: (x, w, b[:-1]), r"bias must have shape \(6,\) for weight \(2, 3, 3\), got \(5,\)"),
+    ("bias-long", lambda x, w, b: (x, w, torch.randn(9)), r"bias must have shape \(6,\).*got \(9,\)"),
+    ("bias-2d", lambda x, w, b: (x, w, b.view(2, 3)), r"bias must have shape \(6,\).*got \(2, 3\)"),
+    ("bias-float64", lambda x, w, b: (x, w, b.double()), r"bias has dtype torch\.float64 but input has dtype torch\.float32"),
+    ("weight-float64", lambda x, w, b: (x, w.double(), b), r"weight has dtype torch\.float64 but input"),
+    ("weight-2d", lambda x, w, b: (x, w[0], b), r"weight must be \[groups, block_out, block_in\], got shape \(3, 3\)"),
+]
+# (id, backward operands (grad, x, weight) from the good ones, pattern)
+BAD_BACKWARD = [
+    # A row slice of a larger gradient: its storage holds the rows the kernels would read.
+    ("grad-fewer-rows", lambda gy, x, w: (gy[:2], x, w), r"grad must be \[N, 6\] with the input's N=4 rows, got \(2, 6\)"),
+    ("input-fewer-rows", lambda gy, x, w: (gy, x[:2], w), r"grad must be \[N, 6\] with the input's N=2 rows, got \(4, 6\)"),
+    ("grad-narrow", lambda gy, x, w: (gy[:, :5], x, w), r"grad must be \[N, 6\].*got \(4, 5\)"),
+    ("grad-float64", lambda gy, x, w: (gy.double(), x, w), r"grad has dtype torch\.float64 but input has dtype torch\.float32"),
+    ("input-narrow", lambda gy, x, w: (gy, x[:, :5], w), r"input must be \[N, 6\] for weight \(2, 3, 3\), got \(4, 5\)"),
+]
+
+
+@pytest.mark.parametrize("case,make,pattern", BAD_FORWARD, ids=[c[0] for c in BAD_FORWARD])
+@pytest.mark.parametrize("name", ALL)
+def test_the_forward_op_refuses_operands_that_do_not_fit_naming_them(name, case, make, pattern):
+    # The ops are public (torch.ops.blockdiag.<name>): a bias of another length was read in
+    # part (loop), broadcast (bmm) or promoted to float64 (csr, bsr), or refused by torch in
+    # words that named neither the op nor the argument.
+    require_backend(name)
+    x, w, b = torch.randn(4, 6), torch.randn(2, 3, 3), torch.randn(6)
+    op = ops.forward_op(name)
+    op(*_fwd_args(name, x, w, b, False))  # the good operands of this shape are remembered
+    with pytest.raises(BlockDiagError, match=f"{name}: {pattern}"):
+        op(*_fwd_args(name, *make(x, w, b), False))
+
+
+@pytest.mark.parametrize("case,make,pattern", BAD_BACKWARD, ids=[c[0] for c in BAD_BACKWARD])
+@pytest.mark.parametrize("name", ALL)
+def test_the_backward_op_refuses_operands_that_do_not_fit_naming_them(name, case, make, pattern):
+    # mkl_batch took the row count from the input and read a shorter gradient's slice past
+    # its end (inside the storage of the tensor it was sliced from): a gradient of wrong rows.
+    require_backend(name)
+    x, w, gy = torch.randn(4, 6), torch.randn(2, 3, 3), torch.randn(4, 6)
+    op = ops.backward_op(name)
+    op(gy, x, w, True, True, True)
+    with pytest.raises(BlockDiagError, match=f"{name}_backward: {pattern}"):
+        op(*make(gy, x, w), True, True, True)
+
+
 # --------------------------------------------------------------------------- saved tensors
 
 

@@ -42,9 +42,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd import forward_ad as _fwad
 
+from .._checks import check_same_device_dtype
 from .._errors import BlockDiagError
 
-__all__ = ["LIB", "OpEntry", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward"]
+__all__ = ["LIB", "OpEntry", "check_backward_operands", "check_operands", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward", "validate_operands"]
 
 LIB = torch.library.Library("blockdiag", "DEF")
 
@@ -296,6 +297,7 @@ class OpEntry:
 
     def _bwd_impl(self, gy, x, weight, has_bias, need_x, need_w):
         self._guard(("grad", gy), ("input", x), ("weight", weight))
+        check_backward_operands(f"{self.name}_backward", gy, x, weight)
         gx, gw, gb = self.run_backward(gy, x, weight, has_bias, need_x, need_w)
         return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
 
@@ -325,16 +327,74 @@ def _placeholders(gy, x, weight, has_bias, gx, gw, gb):
 _VALID: dict = {}
 
 
+def check_operands(name: str, x, weight, bias) -> tuple[int, int, int]:
+    """Raise :class:`BlockDiagError` unless the forward op's operands fit each other; ``(G, out, in)``.
+
+    The layers check their operands before they call an op, but the op is public
+    (``torch.ops.blockdiag.<name>``) and its kernels index the bias and the input by the
+    weight's shape: a bias of another length or dtype was read in part, broadcast or
+    promoted by whatever torch op a backend ends in, or refused by it in its own words.
+    """
+    if weight.dim() != 3:
+        raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    g, o, i = weight.shape
+    if x.dim() != 2 or x.shape[1] != g * i:
+        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (g * o,):
+        raise BlockDiagError(f"{name}: bias must have shape ({g * o},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    check_same_device_dtype(name, input=x, weight=weight, bias=bias)
+    return g, o, i
+
+
+def check_backward_operands(name: str, gy, x, weight) -> None:
+    """Raise :class:`BlockDiagError` unless the backward op's gradient, input and weight fit each other.
+
+    The kernels take the row count from ``x`` and read as many rows of the gradient: a
+    gradient with fewer rows than ``x`` (a slice of a larger tensor) was read past its end.
+    """
+    ws, xs = weight.shape, x.shape
+    # Per backward call (not cached: the gradient's shape is not the forward's key), so the
+    # common case is a few comparisons; the messages are built only when one fails.
+    if (len(ws) == 3 and len(xs) == 2 and xs[1] == ws[0] * ws[2] and gy.shape == (xs[0], ws[0] * ws[1])
+            and gy.dtype == x.dtype == weight.dtype and gy.device == x.device == weight.device):
+        return
+    if weight.dim() != 3:
+        raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    g, o, i = weight.shape
+    if x.dim() != 2 or x.shape[1] != g * i:
+        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if gy.dim() != 2 or tuple(gy.shape) != (x.shape[0], g * o):
+        raise BlockDiagError(
+            f"{name}: grad must be [N, {g * o}] with the input's N={x.shape[0]} rows, got {tuple(gy.shape)}"
+        )
+    check_same_device_dtype(name, input=x, grad=gy, weight=weight)
+
+
+def _key(name: str, x, weight, bias) -> tuple:
+    # Everything check_operands reads: the operands' shapes, dtypes and devices.
+    return (name, x.shape, weight.shape, x.dtype, x.device, weight.dtype, weight.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device), torch.is_grad_enabled())
+
+
+def validate_operands(name: str, x, weight, bias) -> None:
+    """:func:`check_operands`, cached by the operands' shapes, dtypes and devices."""
+    key = _key(name, x, weight, bias)
+    if key in _VALID:
+        return
+    check_operands(name, x, weight, bias)
+    if len(_VALID) > 4096:
+        _VALID.clear()
+    _VALID[key] = True
+
+
 def _validate(name: str, x, weight, bias) -> None:
     """Raise :class:`BlockDiagError` when backend ``name`` declines these operands (cached)."""
     from ..backends import Problem, get
 
-    key = (name, x.shape, weight.shape, x.dtype, x.device.type, torch.is_grad_enabled())
+    key = _key(name, x, weight, bias)
     if key in _VALID:
         return
-    g, o, i = weight.shape
-    if x.dim() != 2 or x.shape[1] != g * i:
-        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    g, o, i = check_operands(name, x, weight, bias)
     p = Problem(x.shape[0], g, i, o, x.dtype, x.device.type, False)
     why = get(name).decline_reason(p)
     if why is not None:

@@ -52,6 +52,7 @@ from ._define import (
     _records,
     _named,
     _setup,
+    check_backward_operands,
     differentiable_backward_needed,
     fake_backward,
     forward_ad_active,
@@ -60,6 +61,7 @@ from ._define import (
     register_autocast,
     rows_pay,
     transform_forward,
+    validate_operands,
 )
 
 __all__ = ["auto", "auto_inline", "choice", "native_routes", "route_token", "traced_routes"]
@@ -130,6 +132,7 @@ def _forward_kernel(name, x, weight, bias):
 
 
 def _impl(x, weight, bias, train):
+    validate_operands("auto", x, weight, bias)
     return _contiguous(_forward_kernel(choice(x, weight, train, _plain(x, weight, bias)), x, weight, bias))
 
 
@@ -139,6 +142,7 @@ def _fake(x, weight, bias, train):
 
 
 def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
+    check_backward_operands("auto_backward", gy, x, weight)
     name = choice(x, weight, True, _plain(gy, x, weight))
     entry = _ENTRIES.get(name)
     if entry is None:

@@ -348,6 +348,11 @@ class GroupedMLP(StrategyChoice, nn.Module):
         # plain), and the layers and activations from their containers' dicts: attribute
         # access through nn.Module.__getattr__ and slicing a ModuleList (a new module per
         # call) cost more than the small products here.
+        if torch.compiler.is_compiling():
+            # A jagged nested input fails the reshape below inside dynamo's fake-tensor run,
+            # which raises its own TorchRuntimeError: forward's except never sees it, so the
+            # check that names the input runs here, while tracing (nothing at run time).
+            check_operand_kinds(type(self).__name__, input=x)
         layers = tuple(self._modules["layers"]._modules.values())
         acts = tuple(self._modules["activations"]._modules.values())
         lead = x.shape[:-1]
