@@ -91,6 +91,20 @@ def test_bad_weight_or_bias_is_named(backend, arg, kind):
         grouped_linear(x, kwargs["weight"], kwargs["bias"], backend=backend)
 
 
+@pytest.mark.parametrize("backend", backends_and_auto())
+def test_a_weight_of_no_groups_is_named(backend):
+    # It reached Problem, whose message named neither the function nor the weight.
+    require_backend(backend)
+    x, w = torch.randn(3, 0), torch.randn(0, 2, 5)
+    with pytest.raises(BlockDiagError, match=r"grouped_linear: weight must hold at least one group, got shape \(0, 2, 5\)"):
+        grouped_linear(x, w, None, backend=backend)
+    op = torch.ops.blockdiag.auto if backend == "auto" else getattr(torch.ops.blockdiag, backend, None)
+    if op is not None:
+        args = (x, w, None, False) if backend == "auto" else (x, w, None)
+        with pytest.raises(BlockDiagError, match=f"{backend}: weight must hold at least one group"):
+            op(*args)
+
+
 def test_the_hint_for_a_sparse_weight_names_the_sparse_backends():
     w = _sparse("coo", torch.randn(G, O, I))
     with pytest.raises(BlockDiagError, match="backend='csr' or 'bsr'"):

@@ -189,6 +189,7 @@ def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
+    check(fn, g >= 1, f"weight must hold at least one group, got shape {tuple(weight.shape)} (groups=0)")
     check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
     check(
         fn,

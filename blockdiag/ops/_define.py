@@ -338,6 +338,8 @@ def check_operands(name: str, x, weight, bias) -> tuple[int, int, int]:
     if weight.dim() != 3:
         raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
+    if g < 1:
+        raise BlockDiagError(f"{name}: weight must hold at least one group, got shape {tuple(weight.shape)} (groups=0)")
     if x.dim() != 2 or x.shape[1] != g * i:
         raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (g * o,):
