@@ -485,6 +485,12 @@ def from_scipy(
             # of it; through the widest dtype torch has, nothing a torch dtype keeps is lost.
             spmatrix = spmatrix.astype(np.float64 if kind == "f" else np.complex128)
     blocks = to_blocks(spmatrix, groups).to(device=device, dtype=dtype)
+    check(
+        "from_scipy",
+        layout == "blocks" or blocks.is_floating_point(),
+        f"layout={layout!r} builds a floating matrix, but the scipy matrix has dtype {spmatrix.dtype} "
+        f"(torch {blocks.dtype}); pass dtype= (e.g. dtype=torch.float32), or layout='blocks' to keep it",
+    )
     return {
         "blocks": lambda b: b,
         "dense": block_diag_dense,

@@ -304,6 +304,18 @@ def test_a_scipy_matrix_of_wide_unsigned_ints_gives_its_blocks(np_dtype):
     m = blockdiag.from_scipy(a, 2, dtype=torch.float64, layout="dense")
     np.testing.assert_array_equal(m.numpy(), a.toarray().astype(np.float64))
 
+
+@pytest.mark.parametrize("np_dtype", [np.int64, np.bool_, np.complex64])
+@pytest.mark.parametrize("layout", ["dense", "csr", "bsr", "coo"])
+def test_from_scipy_of_a_non_float_matrix_says_to_pass_dtype(np_dtype, layout):
+    # The refusal came from the builder (block_diag_csr: "blocks must have a floating dtype").
+    a = sp.block_diag([np.ones((2, 2), dtype=np_dtype)] * 3, format="csr")
+    with pytest.raises(BlockDiagError, match=f"from_scipy: layout='{layout}' builds a floating matrix.*pass dtype="):
+        blockdiag.from_scipy(a, 3, layout=layout)
+    assert blockdiag.from_scipy(a, 3, layout="blocks").shape == (3, 2, 2)
+    assert blockdiag.from_scipy(a, 3, layout=layout, dtype=torch.float32).to_dense().sum() == 12
+
+
 def test_a_one_dimensional_scipy_array_is_refused():
     with pytest.raises(BlockDiagError, match=r"to_blocks: matrix must be 2-D, got shape \(6,\)"):
         blockdiag.to_blocks(sp.coo_array(np.ones(6)), 3)
