@@ -1733,6 +1733,41 @@ def test_forward_ad_inside_a_compiled_function(name, compiler):
     _close(got, want, torch.float32, k=I, what=f"tangent through compiled {name}")
 
 
+@pytest.mark.parametrize("forward", ["eager", "eager-compiled", "aot_eager-compiled"])
+@pytest.mark.parametrize("name", ALL)
+def test_compiled_autograd_traces_the_backward_in_one_graph(name, forward):
+    # Compiled autograd traces each node's Python backward with dynamo. The backward's check
+    # for a legacy-batched gradient (torch._C._functorch.is_legacy_batchedtensor) is a builtin
+    # dynamo cannot trace: a graph break per layer, and with fullgraph=True an Unsupported
+    # error, for every backend. With an eager forward the backward also called the kernels
+    # (ctypes, out= into views), which dynamo cannot trace either. (A forward compiled
+    # through AOTAutograd hands compiled autograd its own backward graph, not the op's.)
+    from torch._dynamo import compiled_autograd
+
+    require_backend(name)
+    torch.manual_seed(0)
+    w, b = _params(torch.float32)
+    layer = _layer(name, w, b)
+    compiler = forward.split("-")[0]
+    module = torch.compile(layer, backend=compiler, fullgraph=True) if forward.endswith("compiled") else layer
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    for n in (N, N):  # the second step runs the cached backward graph
+        x = torch.randn(n, G * I, requires_grad=True)
+        gy = torch.randn(n, G * O)
+        layer.zero_grad()
+        y = module(x)
+        with compiled_autograd._enable(torch.compile(backend=counting, fullgraph=True)):
+            (y * gy).sum().backward()
+        got = {"y": y, "input": x.grad, "weight": layer.weight.grad, "bias": layer.bias.grad}
+        _check(got, _reference(x, w, b, gy), torch.float32, f"{name} {forward} forward, compiled autograd")
+    assert len(graphs) == 1, f"{len(graphs)} compiled autograd graphs"
+
+
 def test_compiled_auto_serves_new_group_counts_and_symbolic_shapes():
     # A second group count makes the weight's sizes symbolic (automatic dynamic shapes): auto
     # planned with them and failed ("unhashable type: non-nested SymInt", "groups must be an

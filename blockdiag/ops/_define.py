@@ -422,7 +422,9 @@ def differentiable_backward_needed(gy: torch.Tensor, x: Optional[torch.Tensor] =
         torch.is_grad_enabled()
         or torch._C._are_functorch_transforms_active()
         or torch._C._functorch.is_batchedtensor(gy)
-        or torch._C._functorch.is_legacy_batchedtensor(gy)
+        # Dynamo cannot trace this builtin (compiled autograd traces this backward), and
+        # no legacy-batched tensor reaches a traced graph: vmap's are functorch's there.
+        or (not torch.compiler.is_compiling() and torch._C._functorch.is_legacy_batchedtensor(gy))
         # The level first: outside a dual level (every ordinary backward) nothing is unpacked.
         or (_fwad._current_level >= 0 and forward_ad_active(gy, x, weight))
     )
@@ -503,6 +505,10 @@ def _functions(entry: OpEntry) -> None:
     name = entry.name
 
     def backward_kernels(ctx, gy):
+        if torch.compiler.is_compiling():  # first: dynamo folds it to a constant
+            # Compiled autograd traces this backward with dynamo, which cannot trace the
+            # kernels (ctypes, out= into strided views): the backward op is one graph node.
+            return backward_op(ctx, gy)
         if gy is None:
             return None, None, None
         x, weight = ctx.saved_tensors
