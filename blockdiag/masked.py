@@ -9,7 +9,9 @@ w.r.t. ``original`` is exactly zero.
 ``original`` is also zeroed off the diagonal when the mask is installed.
 
 Checkpoints: ``state_dict()`` stores the masked weight under the plain key ``weight``, so the
-checkpoint loads into an unmasked ``nn.Linear`` too. That holds while the mask is the only
+checkpoint loads into an unmasked ``nn.Linear`` too. The entry is ``original`` itself (detached),
+which is zero off the blocks, so in-place loaders (``torch.distributed.checkpoint.load``) write
+the parameter, as they do a plain module's. That holds while the mask is the only
 parametrization of ``weight``; with others stacked on it (``spectral_norm``, a user's), the
 state dict keeps torch's own keys (``parametrizations.weight.original`` and theirs), since the
 masked ``original`` alone is not the weight the module computes. ``load_state_dict`` of a checkpoint
@@ -222,12 +224,33 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     # grad, which tracing refuses), so while it exports the keys stay torch's.
     onnx = sys.modules.get("torch.onnx")
     if key in state_dict and _only_mask(module) and not (onnx is not None and onnx.is_in_onnx_export()):
-        orig = state_dict.pop(key)
-        # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
         # Detached: with keep_vars=True too, a value (a leaf), as a parameter would be.
+        orig = state_dict.pop(key).detach()
+        # The plain key holds the masked weight, interchangeable with an unmasked nn.Linear.
         mask = _mask_like(module.parametrizations.weight[0], orig)
-        state_dict[prefix + "weight"] = torch.where(mask, orig.detach(), 0)
+        # ``original`` is normally zero off the blocks already (installing the mask, assigning,
+        # loading and reset_parameters zero it, and its gradient there is exactly zero), so it
+        # is the masked weight itself: the entry is then ``original``, sharing its storage as
+        # a plain module's entries share their parameters'. In-place loaders
+        # (``torch.distributed.checkpoint.load`` into ``state_dict()``, the pattern of its
+        # guide) write into what the state dict holds; a masked copy would take their values
+        # and drop them, leaving the weight as it was. A copy is made only where something
+        # wrote off-block values into ``original`` directly.
+        state_dict[prefix + "weight"] = orig if _zero_off_blocks(orig, mask) else torch.where(mask, orig, 0)
     return state_dict
+
+
+def _zero_off_blocks(orig: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``orig`` has only zeros outside ``mask`` (a DTensor: this rank's shard, no
+    communication; meta tensors hold no values, so they alias as they are)."""
+    if orig.is_meta:
+        return True
+    if is_dtensor(orig):
+        orig, mask = orig.to_local(), mask.to_local()
+    if type(orig) not in _PLAIN or torch.compiler.is_compiling():
+        return False  # a value-less tracer tensor: the masked copy needs no data-dependent branch
+    # NaN != 0, so a non-finite entry off the blocks takes the masked copy as well.
+    return not bool(((orig != 0) & ~mask).any())
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):

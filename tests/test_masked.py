@@ -344,6 +344,24 @@ def test_reset_parameters_of_a_copy_and_after_removal():
 # --- copies, stacked parametrizations, checkpoints' key names ---------------------------------
 
 
+def test_state_dict_loads_in_place_as_torch_distributed_checkpoint_does(tmp_path):
+    # dcp.load writes into the tensors of the state dict it is given (its guide's pattern:
+    # dcp.load(model.state_dict(), ...)); the weight entry must be the parameter's storage,
+    # not a masked copy whose loaded values are then dropped while the bias loads.
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    src = _reference(0)
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    dst = _reference(1)
+    dcp.load({"model": dst.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    torch.testing.assert_close(dst.weight, src.weight, rtol=0, atol=0)
+    torch.testing.assert_close(dst.bias, src.bias, rtol=0, atol=0)
+    _assert_block_diagonal(dst)
+    # The entry is a detached value over original's storage, not the parameter itself.
+    sd = dst.state_dict(keep_vars=True)
+    assert sd["weight"].grad_fn is None and not sd["weight"].requires_grad
+    assert sd["weight"].data_ptr() == dst.parametrizations.weight.original.data_ptr()
+
+
 class _Scale2(nn.Module):
     """A second parametrization stacked on the mask (a user's reparametrization)."""
 
