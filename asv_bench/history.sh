@@ -6,9 +6,10 @@
 #   asv_bench/history.sh 8 -b '^ratios\.' -b '^mlp\.'    # what docs/performance-history.md shows
 #   asv_bench/preview.sh                                   # serve it on http://127.0.0.1:8080
 #
-# Each commit is built into asv's virtualenv (torch pinned to 2.13.0 from the local wheel,
-# see asv.conf.json); commits already benchmarked on this machine are skipped, so re-running
-# after a merge only measures the new ones. Results go to asv_bench/results, the site to
+# Each commit is built into asv's virtualenv (torch pinned to 2.13.0, see asv.conf.json: on a
+# CPU-only Linux machine export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# first, or pip installs PyPI's CUDA build); commits already benchmarked on this machine are
+# skipped, so re-running after a merge only measures the new ones. Results go to asv_bench/results, the site to
 # asv_bench/html (both git-ignored). Extra arguments go to `asv run` (`-b REGEX` selects
 # benchmarks). `--quick` is refused: one sample per benchmark is a smoke test, and its
 # numbers in a published history look like regressions that are only noise. The run is

@@ -489,7 +489,7 @@ def from_scipy(
         "from_scipy",
         layout == "blocks" or blocks.is_floating_point(),
         f"layout={layout!r} builds a floating matrix, but the scipy matrix has dtype {spmatrix.dtype} "
-        f"(torch {blocks.dtype}); pass dtype= (e.g. dtype=torch.float32), or layout='blocks' to keep it",
+        f"({blocks.dtype}); pass dtype= (e.g. dtype=torch.float32), or layout='blocks' to keep it",
     )
     return {
         "blocks": lambda b: b,

@@ -62,12 +62,16 @@ from blockdiag.backends._registry import Problem, names, registry
 
 DEVICES = ("cpu", "cuda")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# Shapes that exercise the shape rules backends declare (empty batch, one group, thin and
-# square blocks, sizes that are not multiples of 8 or 16).
+# Shapes that exercise the shape rules backends declare (empty batch, blocks with an empty
+# side, one group, thin and square blocks, sizes that are not multiples of 8 or 16).
 PROBES = [
     Problem(b, g, i, o, torch.float32, dev, grad)
     for b, g, (i, o), dev, grad in itertools.product(
-        (0, 1, 32), (1, 4, 50), ((150, 10), (64, 64), (10, 10), (6, 4)), DEVICES, (False, True)
+        (0, 1, 32),
+        (1, 4, 50),
+        ((150, 10), (64, 64), (10, 10), (6, 4), (0, 4), (4, 0)),
+        DEVICES,
+        (False, True),
     )
 ]
 MAP = DOCS / "img" / "decision-map.png"
@@ -151,13 +155,20 @@ def _builtin() -> dict:
 
 
 def _entry_label(key: str, entry: dict) -> str:
-    """A short column title: the machine, and the SIMD variant its CPU times were taken with."""
-    name = re.sub(r"\s*\(\d+ threads?\)", "", entry.get("device_name", key.split("|")[0]))
+    """A short column title: the machine, the SIMD variant its CPU times were taken with, and
+    the thread count (the table holds one entry per CPU and thread count, so without it two
+    columns would read the same)."""
+    full = entry.get("device_name", key.split("|")[0])
+    threads = re.search(r"\((\d+) threads?\)", full)
+    name = re.sub(r"\s*\(\d+ threads?\)", "", full)
     name = re.sub(r"\(R\)|\bProcessor\b|\bCPU\b", "", name).replace("  ", " ").strip()
     if entry.get("device") == "cpu":
         variant = entry.get("simd_variant") or (key.split("|")[3] if key.count("|") >= 3 else "")
         isa = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON"}.get(variant, variant)
-        return f"{name} CPU, {isa}" if isa else f"{name} CPU"
+        name = f"{name} CPU, {isa}" if isa else f"{name} CPU"
+    if threads:
+        n = int(threads.group(1))
+        name += f", {n} thread" + ("" if n == 1 else "s")
     return name
 
 

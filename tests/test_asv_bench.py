@@ -145,3 +145,27 @@ def test_benchmark_parameters_do_not_depend_on_the_grid_size():
     assert ratios.GroupedLinearRatios.unit == ratios.BackendRatios.unit == ratios.ForumMLPRatio.unit == "ratio"
     assert ratios.BackendRatios.params[0][: len(KNOWN_BACKENDS)] == list(KNOWN_BACKENDS)
     assert len(ratios.SHAPES) == 6 and ratios.MODES == ["forward", "train"]
+
+
+def test_the_history_page_says_how_asv_gets_a_cpu_torch():
+    # asv installs the pinned torch into its own virtualenvs with pip, whose Linux wheel on PyPI
+    # is the CUDA build: a user following the page on a CPU-only machine must be told to point
+    # pip at PyTorch's CPU index, as the Installation page does for their own environment.
+    conf = (ASV / "asv.conf.json").read_text()
+    assert re.search(r'"torch":\s*\["2\.13\.0"\]', conf), "the pin changed: update the page's wording"
+    page = (ROOT / "docs" / "performance-history.md").read_text()
+    browsing = page.split("## Browsing the history", 1)[1].split("## ", 1)[0]
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in browsing
+    # The config's own comment must not claim that pinning alone avoids the CUDA build.
+    assert "whose CPU wheel lies on this machine" not in conf
+
+
+def test_the_history_page_keeps_the_results_of_a_run_in_the_current_environment():
+    # `asv run --python=same` saves nothing unless the run names a commit
+    # (--set-commit-hash): the page's command for the current checkout must name one, or
+    # a user's long run leaves nothing to compare or publish.
+    page = (ROOT / "docs" / "performance-history.md").read_text()
+    commands = [line for line in page.splitlines() if re.search(r"\basv run\b.*--python=same", line)]
+    assert commands
+    for line in commands:
+        assert "--set-commit-hash" in line or "--dry-run" in line, line

@@ -138,3 +138,38 @@ def test_a_bench_run_stopped_part_way_is_not_published(hooks, tmp_path, monkeypa
     with pytest.raises(ValueError, match="stopped after 2 of 48 points"):
         hooks._load("partial.json")
     assert hooks._load("whole.json") == {"complete": True, "rows": []}
+
+
+def test_the_support_matrix_names_every_shape_rule_of_an_available_backend(hooks):
+    # The Backends page's "shape rules (why it declines a problem)" column is read as the
+    # whole list: every reason a backend's constraint gives at an edge shape (an empty
+    # batch, blocks with an empty side, one group) must be in its row.
+    import itertools
+
+    import torch
+
+    from blockdiag.backends._registry import Problem, names, registry
+
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| [^|]+ \|.*$",
+                                                        hooks.support_matrix_markdown(), re.M)}
+    reg = registry()
+    for name in names():
+        b = reg[name]
+        if b.constraint is None or b.unavailable_reason() or "cpu" not in b.dtypes:
+            continue
+        for batch, groups, (i, o), grad in itertools.product(
+                (0, 32), (1, 4), ((0, 4), (4, 0), (10, 10)), (False, True)):
+            why = b.constraint(Problem(batch, groups, i, o, torch.float32, "cpu", grad))
+            if why:
+                assert why in rows[name], (name, why, rows[name])
+
+
+def test_the_builtin_table_columns_name_each_entry_apart(hooks):
+    # The Backends page's "which backend when" table has one column per entry of the built-in
+    # table, and the table holds one entry per CPU, simd variant and thread count: columns
+    # titled alike (the thread count dropped) cannot be told apart.
+    head = hooks.which_backend_markdown().splitlines()[0]
+    titles = [t.strip() for t in head.strip("|").split("|")[1:]]
+    entries = hooks._builtin()["entries"]
+    assert len(titles) == len(entries)
+    assert len(set(titles)) == len(titles), titles

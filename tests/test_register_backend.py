@@ -44,6 +44,16 @@ def test_docs_extending_example_runs():
     assert "einsum" in r.stdout and "already registered" in r.stdout
 
 
+def test_the_extending_page_names_every_backend_field():
+    # docs/extending.md describes the Backend fields a new backend sets (its table, and the
+    # list of "the other fields"): a field left out is one a backend author never hears of.
+    import dataclasses
+
+    page = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    missing = [f.name for f in dataclasses.fields(Backend) if f"`{f.name}`" not in page]
+    assert not missing, missing
+
+
 def _docs_block(page: str, marker: str) -> str:
     """The ```python block of ``docs/<page>`` that contains ``marker``."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(encoding="utf-8"), re.S)
