@@ -266,7 +266,9 @@ def _check_same_forward(fn_name: str, backend: Backend) -> None:
 
 def register(backend: Backend) -> Backend:
     """Add a backend; a duplicate name raises :class:`BlockDiagError` (see :func:`replace`)."""
-    if backend.name in _REGISTRY or backend.name == "auto":
+    if backend.name == "auto":
+        raise BlockDiagError("register: 'auto' is reserved (backend='auto' asks the chooser); name the backend otherwise")
+    if backend.name in _REGISTRY:
         raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
     _check_same_forward("register", backend)
     _REGISTRY[backend.name] = backend
