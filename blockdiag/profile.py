@@ -542,11 +542,12 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
     try:
         # The directory the file is written in: a symbolic link's target's, which the lock
         # file and the write (both through the link) need.
-        Path(os.path.realpath(p)).parent.mkdir(parents=True, exist_ok=True)
+        real = real_path(p)
+        real.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
     try:
-        with _locked(Path(os.path.realpath(p))):
+        with _locked(real):
             return _save_locked(entry, p, merge)
     except OSError as e:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
@@ -584,18 +585,62 @@ def _save_locked(entry: dict, p: Path, merge) -> Path:
     return p
 
 
+def real_path(path: Path | str) -> Path:
+    """``os.path.realpath(path)``, refusing a symbolic link that Linux would not follow for ``open``.
+
+    ``realpath`` reads links (``readlink``), which ``fs.protected_symlinks`` does not check:
+    ``open`` refuses to follow a link in a sticky folder that anyone may write (``/tmp``) when
+    the link is another user's and not the folder owner's. Through ``realpath`` such a planted
+    link (at ``FILE.partial``, say, a name made up here) redirected a write to any file of this
+    user's. Links are resolved one by one here and held to that rule, wherever the system's
+    setting stands.
+
+    Raises:
+        OSError: a link on the way is another user's in such a folder, or there are too many.
+    """
+    path = os.fspath(path)
+    full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    pending = list(reversed(Path(full).parts))  # ".." kept: resolved after the link before it, as the kernel does
+    done, hops = Path("/"), 0
+    while pending:
+        part = pending.pop()
+        if part == "/" or part == "..":
+            done = Path("/") if part == "/" else done.parent
+            continue
+        step = done / part
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISLNK(st.st_mode):
+            done = step
+            continue
+        hops += 1
+        if hops > 40:
+            raise OSError(f"refusing to write {path}: too many symbolic links on the way")
+        folder = os.stat(done)
+        shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
+        if shared and st.st_uid not in (os.geteuid(), folder.st_uid):
+            raise OSError(f"refusing to write {path}: {step} is a symbolic link of user id {st.st_uid} "
+                          f"in the shared folder {done}, which open() would not follow (fs.protected_symlinks)")
+        pending.extend(reversed(Path(os.readlink(step)).parts))
+    return done
+
+
 def write_json_atomic(path: Path | str, obj: Any) -> None:
     """Write ``obj`` as JSON to a temp file beside ``path``, then rename it over ``path``.
 
     Readers see the old file or the new one, never a half-written one; on any error the
     temp file is removed and ``path`` is untouched. A symbolic link is written through (its
-    target is replaced, the link kept), as an ordinary write would.
+    target is replaced, the link kept), as an ordinary write would, and refused where an
+    ordinary ``open`` would refuse it (:func:`real_path`).
 
     Raises:
         OSError: ``path`` names something other than a regular file (a FIFO, a device, a
-            directory): renaming over it would replace that node, not write to it.
+            directory): renaming over it would replace that node, not write to it; or a
+            symbolic link on the way is another user's in a shared folder (:func:`real_path`).
     """
-    p = Path(os.path.realpath(path))
+    p = real_path(path)
     try:
         st = os.stat(p)
     except FileNotFoundError:

@@ -677,6 +677,42 @@ def test_a_planted_library_is_never_loaded(stub_env, monkeypatch, tmp_path, how)
         assert (private / name).exists()
 
 
+@needs_cc
+def test_a_cache_under_a_folder_others_may_write_is_not_used(stub_env, monkeypatch, tmp_path):
+    # Only blockdiag/ and kernels/ were checked: under a parent others may write (HOME=/tmp
+    # with a .cache another user made, a shared XDG_CACHE_HOME), that user swapped blockdiag/
+    # for their own between _load's checks and the loader's opening, and their library ran.
+    assert simd._library()[1] is None
+    name = _only_library(stub_env).name
+    marker = tmp_path / "PLANTED_CODE_RAN"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit: anyone may rename what it holds
+    (shared / "theirs" / "kernels").mkdir(parents=True)
+    (shared / "theirs" / "kernels" / name).write_bytes(_forged(tmp_path / "attacker", marker))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    real_cdll = _libcache.ctypes.CDLL
+
+    def swapped_first(path, *args, **kwargs):  # the other user wins the race
+        if str(path).startswith(str(shared / "blockdiag")):
+            os.replace(shared / "blockdiag", shared / "ours")
+            os.replace(shared / "theirs", shared / "blockdiag")
+        return real_cdll(path, *args, **kwargs)
+
+    monkeypatch.setattr(_libcache.ctypes, "CDLL", swapped_first)
+    simd._library.cache_clear()
+    note = simd.variant_note()
+    assert not marker.exists(), "the planted library was loaded"
+    assert "built for this process only in" in note, note
+    assert f"{shared}, which holds the kernel cache, is writable by others (mode 777)" in note, note
+    # A parent that only this user may write, or a sticky one (/tmp), is fine.
+    assert _libcache._exposed(stub_env) is None
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert _libcache._exposed(sticky) is None
+
+
 # --- item 6: negative and conjugate bits ----------------------------------------------------
 
 @native

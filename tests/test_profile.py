@@ -435,6 +435,41 @@ def test_written_json_goes_through_a_symbolic_link_and_refuses_a_fifo(tmp_path):
     assert fifo.is_fifo() and not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="another user's link needs root")
+def test_another_users_link_in_a_shared_folder_is_not_written_through(tmp_path, monkeypatch):
+    # bench --json FILE saves part way to FILE.partial, a name made up here: another user's
+    # link planted there in /tmp had its target (any file of this user's) replaced, since
+    # realpath reads links where open() would refuse to follow them (fs.protected_symlinks).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    precious = tmp_path / "notes.txt"
+    precious.write_text("mine")
+    link = shared / "results.json.partial"
+    link.symlink_to(precious)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(OSError, match=f"{link} is a symbolic link of user id 65534 in the shared folder {shared}"):
+        profile.write_json_atomic(link, {"a": 1})
+    assert precious.read_text() == "mine" and link.is_symlink() and not list(tmp_path.rglob("*.tmp"))
+    with pytest.raises(BlockDiagError, match="cannot write profile"):
+        profile.save_entry(entry([point(loop=1.0)]), link)
+    assert precious.read_text() == "mine"
+    # One's own link there, or one of the folder's owner, is written through as before.
+    for owner in (os.geteuid(), 65534):
+        os.chown(shared, owner, -1)
+        os.lchown(link, owner, -1)
+        profile.write_json_atomic(link, {"owner": owner})
+        assert json.loads(precious.read_text()) == {"owner": owner}
+        precious.write_text("mine")
+    # A relative path with "..", and one through a link of ours to a folder.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "to_sub").symlink_to(tmp_path / "sub")
+    monkeypatch.chdir(tmp_path / "sub")
+    profile.write_json_atomic("../to_sub/x.json", {"b": 2})
+    assert json.loads((tmp_path / "sub" / "x.json").read_text()) == {"b": 2}
+    assert profile.real_path("../to_sub/../notes.txt") == tmp_path / "notes.txt"
+
+
 def test_concurrent_savers_keep_each_others_entries(tmp_path):
     # Two processes each saving 12 entries under their own keys into one profile: every
     # read-merge-rename holds the file's lock, so none of the 24 is lost (without it, a

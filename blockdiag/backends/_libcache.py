@@ -87,6 +87,43 @@ def _cache_folder(folder: Path) -> Optional[str]:
     return None
 
 
+def _exposed(folder: Path) -> Optional[str]:
+    """Why another user could swap ``folder`` (a path with no symbolic links) for a folder of theirs, or None.
+
+    Whoever may write a folder may rename what it holds, a private folder of ours included
+    (``renameat2`` swaps two at once): between :func:`_load`'s checks of a file and the
+    loader's opening of its path, that user could put their own folder, and library, on the
+    path. So every folder from ``folder`` up to ``/`` must be root's or this user's, and
+    writable by no one else, unless its sticky bit keeps others from renaming what they do
+    not own. A folder that only this user's own group may write (a umask of 002 with a group
+    per user) counts as private.
+    """
+    for f in (folder, *folder.parents):
+        st = os.lstat(f)
+        if st.st_uid not in (0, os.getuid()):
+            return (f"{f}, which holds the kernel cache, is owned by user id {st.st_uid}, "
+                    f"who could swap the cache for a folder of theirs")
+        if st.st_mode & stat.S_ISVTX:
+            continue
+        if st.st_mode & 0o002 or (st.st_mode & 0o020 and not _own_group(st.st_gid)):
+            return (f"{f}, which holds the kernel cache, is writable by others "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}), who could swap the cache for a folder of theirs")
+    return None
+
+
+def _own_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's own (named after the user, with no other members)."""
+    import grp
+    import pwd
+
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getgid() and group.gr_name == me and set(group.gr_mem) <= {me}
+
+
 _PRIVATE_TEMP: list = []
 
 
@@ -104,6 +141,9 @@ def _private_temp_folder() -> Path:
         atexit.register(_remove_private_temp, os.getpid())
     _PRIVATE_TEMP.append(folder)
     why = _private(folder)
+    if why is None:
+        folder = Path(os.path.realpath(folder))
+        why = _exposed(folder)
     if why is not None:
         raise OSError(why)
     return folder
@@ -416,6 +456,10 @@ def _cached(name: str, fetch, what: str) -> tuple[Optional[object], Optional[str
     a predictable name in a shared folder, where another user could plant a library first)."""
     folder = kernel_dir()
     why = _cache_folder(folder)
+    if why is None:
+        # Loaded through its real path, every folder of which only this user (or root) can change.
+        folder = Path(os.path.realpath(folder))
+        why = _exposed(folder)
     if why is None:
         found, why, final = fetch(folder / name)
         if found is not None or final:

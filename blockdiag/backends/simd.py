@@ -48,7 +48,9 @@ How it is built and found:
 - The shared library is cached in ``$XDG_CACHE_HOME/blockdiag/kernels`` (``~/.cache``). That
   folder and its parent are created private (mode 0700) and checked before use: owned by this
   user and writable by no one else (one of this user's that the group or others may write is
-  made private). When the cache cannot be used, the library is built in a new private folder
+  made private); so must every folder above them be, root's or this user's (or sticky, as
+  ``/tmp`` is), since whoever may write one could swap the cache for a folder of theirs
+  between the file's checks and its loading. When the cache cannot be used, the library is built in a new private folder
   of the temporary directory (``mkdtemp``: an unpredictable name, mode 0700) for this process
   only: never at a predictable shared path, where another user could plant a library first.
 - The library file carries a build record: its size and SHA-256, appended when it is built

@@ -150,7 +150,9 @@ def _save_atomic(fig, path: str) -> None:
     import os
     import tempfile
 
-    target = os.path.realpath(path)  # a symbolic link is written through, as savefig would
+    from ..profile import real_path
+
+    target = str(real_path(path))  # a symbolic link is written through, as savefig would
     ext = os.path.splitext(target)[1]
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=ext or ".tmp",
                                dir=os.path.dirname(target))
