@@ -1163,3 +1163,18 @@ def test_bench_json_goes_on_measuring_when_a_save_part_way_fails(tmp_path, capsy
     assert calls == [False, False, False, True]
     doc = json.loads(out_json.read_text())
     assert doc["complete"] is True and len(doc["rows"]) == 4
+
+
+def test_bench_of_backends_all_skipped_at_a_point_summarizes_and_writes_json(tmp_path, capsys):
+    # --backends dense where its dense matrix is over the limit: the point has auto's time but
+    # no fastest, and summarize raised TypeError (round(max([None]))) before the table or the
+    # --json file, losing the whole run.
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--backends", "dense", "--batch", "1", "--groups", "256", "--blocks", "256x256",
+               "--mode", "forward", "--repeat", "1", "--min-time", "0", "--refine", "0", "--no-baselines",
+               "--no-memory", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["rows"][0]["fastest"] is None and "dense" in d["rows"][0]["skipped"]
+    assert d["summary"]["forward"]["points"] == 1 and "max_auto_over_fastest" not in d["summary"]["forward"]
+    assert "skipped: its dense matrix" in capsys.readouterr().out

@@ -508,3 +508,52 @@ def test_sigterm_while_writing_leaves_the_old_file_and_no_temporary(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-3000:])
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["r.json"] and json.loads(out.read_text()) == {"old": True}
+
+
+def test_a_tune_that_timed_no_backend_anywhere_writes_nothing(tmp_path, capsys):
+    # --backends dense where its dense matrix is over the limit: every point skipped it, and the
+    # entry written had points without times, replacing the built-in table for this CPU with
+    # one that ranks no backend anywhere (auto fell back to the preference order everywhere).
+    path = tmp_path / "p.json"
+    rc = main(["tune", "--backends", "dense", "--batch", "1", "--groups", "256", "--blocks", "256x256",
+               "--mode", "forward", "--repeat", "1", "--min-time", "0", "--refine", "0", "--profile", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "no backend was timed" in err and "dense: skipped" in err and "Traceback" not in err
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+def test_a_bad_settings_variable_is_refused_before_the_measuring(cmd, tmp_path, monkeypatch, capsys):
+    # auto reads BLOCKDIAG_* when it first chooses: tune timed its whole grid, wrote the
+    # profile, then failed in the cross-check with status 2 (and no --plot); bench announced
+    # the run and failed at its first point.
+    monkeypatch.setenv("BLOCKDIAG_SPARSITY_THRESHOLD", "abc")
+    profile = tmp_path / "p.json"
+    _refused([cmd, *TINY, "--mode", "forward", "--backends", "loop", "--profile", str(profile)]
+             if cmd == "tune" else [cmd, *TINY, "--mode", "forward", "--backends", "loop"],
+             "BLOCKDIAG_SPARSITY_THRESHOLD", "'abc'", capsys=capsys)
+    assert not profile.exists()
+
+
+def test_a_path_stdout_cannot_encode_is_printed_escaped_not_a_traceback(tmp_path):
+    # `wrote FILE` and explain's "table: tuning profile FILE" print the user's path on stdout,
+    # whose error handler is strict: a non-ASCII path under PYTHONIOENCODING=ascii (or one with
+    # bytes that are not UTF-8 in a UTF-8 locale) raised UnicodeEncodeError, exit status 1.
+    profile = tmp_path / "pr\u00e9.json"
+    rc = main(["tune", *TINY, "--mode", "forward", "--backends", "loop", "--refine", "0", "--no-rematch",
+               "--profile", str(profile)])
+    assert rc == 0
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    p = subprocess.run([sys.executable, "-m", "blockdiag", "explain", "--batch", "2", "--groups", "2", "--block",
+                        "2x2", "--profile", str(profile)], capture_output=True, env=env, timeout=300, cwd=tmp_path)
+    out, err = p.stdout.decode("ascii"), p.stderr.decode("ascii", "replace")
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "pr\\xe9.json" in out, out
+
+
+def test_an_empty_compiler_is_refused_not_taken_for_inductor(capsys):
+    # `--compiler ''` (an unset shell variable) fell through `args.compiler or "inductor"`:
+    # the run compiled with inductor, which was not asked for.
+    _refused(["bench", *TINY, "--mode", "forward", "--compiled", "linear", "--no-baselines", "--compiler", ""],
+             "--compiler", "''", capsys=capsys)

@@ -26,6 +26,7 @@ from ._args import (
     _add_grid_options,
     _block,
     _compiled_models,
+    _compiler,
     _device_type,
     _dtype,
     _finite_nonneg_float,
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dynamo reset between points), compile time excluded; a method that fails to compile "
                         "or differs from eager is reported in its row. --backends adds blockdiag modules "
                         "with those backends forced (default: auto only); no peak memory is recorded")
-    b.add_argument("--compiler", default=None, metavar="BACKEND",
+    b.add_argument("--compiler", type=_compiler, default=None, metavar="BACKEND",
                    help="torch.compile's backend for --compiled (default inductor; aot_eager traces the "
                         "same graphs without code generation, to find failures fast)")
     # None: both, or train with --compiled (cmd_bench resolves it).
@@ -217,6 +218,28 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
     """The sub-parser of ``command`` in ``parser``."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
+
+
+@contextlib.contextmanager
+def _printable_stdout():
+    """Characters stdout's encoding cannot take printed as backslash escapes, as on stderr.
+
+    Our lines print the user's paths (``wrote FILE``, the profile a plan came from): one with
+    bytes that are not UTF-8, or any non-ASCII one under ``PYTHONIOENCODING=ascii``, raised
+    ``UnicodeEncodeError`` from ``print`` after the measuring, a traceback and the rest of
+    the command (``tune --plot``'s map) not done. Python's stderr already escapes them;
+    stdout's strict handler is set back afterwards.
+    """
+    stream = sys.stdout
+    if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+        yield
+        return
+    stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # closed meanwhile
+            stream.reconfigure(errors="strict")
 
 
 @contextlib.contextmanager
@@ -259,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # whose --help lists the options the user meant.
         _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        with _quiet_torch_betas(), _one_line_warnings(args.command), _terminate_cleanly():
+        with _quiet_torch_betas(), _one_line_warnings(args.command), _terminate_cleanly(), _printable_stdout():
             return args.func(args)
     except BlockDiagError as e:
         message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())

@@ -151,6 +151,13 @@ def _path(s: str) -> str:
     return s
 
 
+def _compiler(s: str) -> str:
+    """A torch.compile backend's name: an empty one is an error, not "the default" (inductor)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError(f"must name a torch.compile backend (e.g. inductor), got {s!r}")
+    return s
+
+
 def _compiled_models(s: str) -> tuple[str, ...]:
     from ..tuning import COMPILED_MODELS
 

@@ -62,6 +62,16 @@ def _check_distinct(paths: dict) -> None:
         seen[real] = option
 
 
+def _check_settings() -> None:
+    """Resolve every setting now, so that a bad ``BLOCKDIAG_*`` environment value raises its
+    ``BlockDiagError`` before the measuring: ``auto`` reads them only when it first chooses,
+    which in ``tune`` is the cross-check after the whole grid was timed and the profile
+    written (an error exit, and ``--plot``'s map never drawn)."""
+    from ..settings import get_settings
+
+    get_settings()
+
+
 def _check_profile_input(path: str | None) -> None:
     """An explicitly named profile to read must exist (auto would fall back to the built-in
     table without a word); what is wrong inside one, auto reports as a ProfileWarning."""

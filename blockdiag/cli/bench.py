@@ -19,6 +19,7 @@ from ._checks import (
     _check_grid_memory,
     _check_output,
     _check_profile_input,
+    _check_settings,
 )
 from ._run import _announce, _looping, _point_costs, _print_faults, _provenance, _runnable_names, _writing
 
@@ -266,6 +267,7 @@ def cmd_bench(args) -> int:
     from ..settings import config
     from ..tuning import allocator_env, bench, summarize
 
+    _check_settings()
     _check_backends(args.backends, args.device, args.dtype)
     _check_output("--json", args.json)
     _check_profile_input(args.profile)

@@ -13,6 +13,7 @@ from ._checks import (
     _check_output,
     _check_plot_format,
     _check_profile_input,
+    _check_settings,
 )
 from ._run import _announce, _looping, _point_costs, _runnable_names, _writing
 
@@ -22,6 +23,7 @@ def cmd_tune(args) -> int:
     from .._errors import BlockDiagError
     from ..tuning import cross_check, merge_entry, plot_decision_map, tune
 
+    _check_settings()
     _check_backends(args.backends, args.device, args.dtype)
     _check_output("--plot", args.plot)
     _check_plot_format(args.plot)
@@ -65,6 +67,13 @@ def cmd_tune(args) -> int:
     if not entry["measurements"]:
         raise BlockDiagError("tune: no point was measured, so nothing was written (an empty entry would "
                              "replace the built-in table for this machine)")
+    if not any(m["times_us"] for m in entry["measurements"]):
+        # Points without a single time (every backend named skipped there) are as empty:
+        # saved, auto would rank no backend at any shape on this device.
+        reasons = sorted({f"{n}: {why}" for m in entry["measurements"] for n, why in m.get("skipped", {}).items()})
+        raise BlockDiagError("tune: no backend was timed at any point, so nothing was written (an entry without "
+                             "times would replace the built-in table for this machine)"
+                             + (f"; e.g. {reasons[0]}" if reasons else ""))
     # Merged into the entry the file holds when it is written (under its lock), not the one
     # read before the measuring: another run may have saved meanwhile.
     kept: dict = {}
