@@ -789,6 +789,17 @@ def _compiled_auto():
     return layer, compiled, seen, x, gy
 
 
+@pytest.mark.parametrize("name", ["auto", "bmm", "simd"])
+def test_export_of_a_3d_input_with_a_dynamic_batch(name):
+    # The rows of a 3-D input were counted with torch.Size.numel(), which made the symbolic
+    # batch a constant: the export failed ("your code specialized it to be a constant").
+    require_backend(name)
+    layer = GroupedLinear(G * I, G * O, G, backend=name)
+    ep = torch.export.export(layer, (torch.randn(5, 3, G * I),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    x = torch.randn(7, 3, G * I)
+    torch.testing.assert_close(ep.module()(x), layer(x))
+
+
 @pytest.mark.parametrize("name", ["simd", "bmm", "loop"])
 def test_exported_backend_op_decomposes_saves_and_loads(name, tmp_path):
     # An exported layer records the backend's op, and so do its decompositions (the

@@ -426,11 +426,15 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         _sharding.ensure()
     g, o, i = _check_operands(fn, x, weight, bias)
     lead = x.shape[:-1]
-    empty_dtensor = lead.numel() == 0 and _sharding.is_dtensor(x)
+    # The product of the sizes, not torch.Size.numel(), which makes a symbolic batch a
+    # constant (an export with a dynamic batch of a 3-D input failed); and compared with 0 as
+    # a plain int only, which a traced empty batch is (torch specialises sizes 0 and 1).
+    rows = math.prod(lead)
+    empty_dtensor = type(rows) is int and rows == 0 and _sharding.is_dtensor(x)
     if x.dim() == 2:
         x2 = x
     else:
-        x2 = _reshape_empty_dtensor(x, (0, g * i)) if empty_dtensor else x.reshape(lead.numel(), g * i)
+        x2 = _reshape_empty_dtensor(x, (0, g * i)) if empty_dtensor else x.reshape(rows, g * i)
     if _onnx_exporting():
         # ONNX has no blockdiag ops, and no backend's kernel means anything to an ONNX
         # runtime: every backend computes one function, recorded as one batched matmul in
