@@ -41,12 +41,14 @@ plan depends on may have changed, so a cached plan is never checked, only looked
   changed, so :func:`epoch` reads them on every call, straight from ``os.environ``'s
   mapping (a dictionary lookup each, no system call): a change is seen at the next call.
 
-Two more things change without telling anyone: the thread count (``torch.set_num_threads``,
-part of the CPU profile's key), which :func:`epoch` compares on every call (one C call), and
-the profile files, which another process can rewrite and are dearer to look at (a ``stat``
-system call each). :func:`epoch` looks at them at most every
+Two more things change without telling anyone: the calling thread's torch thread count
+(``torch.set_num_threads``, part of the CPU profile's key), which :func:`epoch` reads on
+every call (one C call) and carries as its last item, so threads whose counts differ (under
+OpenMP the count is per thread) keep plans of their own, and a thread whose own count changed
+bumps ``generation``; and the profile files, which another process can rewrite and are
+dearer to look at (a ``stat`` system call each). :func:`epoch` looks at them at most every
 :data:`blockdiag.profile.RECHECK_S` seconds (1 s; one ``time.monotonic`` per call decides),
-at the first call after any bump and when the thread count changed: it stats each file a plan was built from,
+at the first call after any bump: it stats each file a plan was built from,
 missing ones included, compares mtime, size and inode with what they were when read, and
 bumps ``generation`` on a change. So a profile written by another process is followed
 within a second, one written in this process at once.

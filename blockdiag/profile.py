@@ -389,24 +389,16 @@ def cached_entry(device: str, dtype: torch.dtype, path: Path | str | None = None
     return out
 
 
-# The thread count at the last look (``torch.set_num_threads`` tells no one).
-_threads = torch.get_num_threads()
-
-
 def changed_on_disk() -> bool:
-    """Whether a profile file read so far, or the thread count, changed since it was read.
+    """Whether a profile file read so far changed since it was read.
 
     Stats each file an answer was built from (usually the profile and the built-in table).
     On a change it starts a new chooser epoch, forgets the cached entries and returns True.
     The chooser's :func:`~blockdiag.dispatch.epoch` calls it every :data:`RECHECK_S`
-    seconds at most.
+    seconds at most. The thread count is not looked at here: it is part of the epoch and of
+    :func:`cached_entry`'s key, per calling thread (threads may differ under OpenMP).
     """
-    global _threads
     changed = False
-    threads = torch.get_num_threads()
-    if threads != _threads:
-        _threads = threads
-        changed = True
     for path, sig in list(_seen.items()):
         now = _signature(path)
         if now != sig:

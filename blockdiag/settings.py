@@ -83,6 +83,10 @@ class _Local(threading.local):
     # of ``config`` blocks (a class-level default shadowed later escaped its guard).
     def __init__(self) -> None:
         self.key = 0
+        # The torch thread count this thread's epoch last saw (-1: none yet). Per thread:
+        # under OpenMP ``torch.set_num_threads`` sets the calling thread's count (and that of
+        # threads that make their first torch call later), so threads can differ for good.
+        self.threads = -1
 
 
 _global: dict[str, Any] = {}
@@ -289,12 +293,9 @@ def resolve(name: str, profile_value: Any = None, profile_label: str = "tuning p
 # share one.
 generation = 0
 _next_generation = itertools.count(1).__next__
-# When (``time.monotonic``) :func:`epoch` next looks at the profile files on disk and at
-# the thread count; 0.0 after every bump, so the first call after a change looks at once.
+# When (``time.monotonic``) :func:`epoch` next looks at the profile files on disk; 0.0 after
+# every bump, so the first call after a change looks at once.
 _recheck_at = 0.0
-# The thread count at the last look: ``torch.set_num_threads`` tells no one, and the profile
-# has an entry per thread count, so every epoch compares it (one C call) and looks at once.
-_threads_seen = -1
 
 
 def bump_epoch() -> None:
@@ -304,15 +305,25 @@ def bump_epoch() -> None:
     _recheck_at = 0.0
 
 
-def _recheck(now: float) -> None:
-    """Look at the profile files and the thread count (a change bumps the epoch)."""
-    global _recheck_at, _threads_seen
+def _recheck(now: float, threads: int) -> None:
+    """Note this thread's count ``threads`` and, when due, look at the profile files.
+
+    The count is part of the epoch itself, so threads whose counts differ keep plans of
+    their own, and switching between them moves nothing (a process-wide "count last seen"
+    bumped the generation, dropping every plan and compiled graph, at each switch). A change
+    of this thread's own count still bumps: graphs compiled with a plan inlined are guarded
+    on the generation, not on the count. A file change bumps too.
+    """
+    global _recheck_at
     # blockdiag.profile imports this module, so it is imported here, not at the top.
     from . import profile
 
-    _threads_seen = torch.get_num_threads()
-    profile.changed_on_disk()
-    _recheck_at = now + profile.RECHECK_S  # after: a bump resets it to 0.0
+    seen, _local.threads = _local.threads, threads
+    if seen != threads and seen != -1:
+        bump_epoch()
+    if now >= _recheck_at:
+        profile.changed_on_disk()
+        _recheck_at = now + profile.RECHECK_S  # after: a bump resets it to 0.0
 
 
 # Every variable the chooser's answer depends on (the profile path's included).
@@ -330,29 +341,32 @@ if _EPOCH_KEYS is not None:
     # ``tuple(map(...))`` over the same keys (no iterator, no tuple growth), and this runs on
     # every ``auto`` call. The unpacking fails at import if a variable is added to ``_ENV``
     # without a slot here. Flat, not nested: the epoch is hashed on every call too;
-    # ``epoch()[2:]`` are the variables' values.
+    # ``epoch()[2:-1]`` are the variables' values, the last item this thread's count.
     _K0, _K1, _K2, _K3, _K4, _K5 = _EPOCH_KEYS
 
     def epoch(_get=_ENV_DATA.get, _now=time.monotonic, _threads=torch.get_num_threads) -> tuple:
         """A cheap, hashable value that changes whenever ``auto``'s answer may change.
 
-        ``(generation, this thread's config stack, the six environment variables)``; the
-        profile files on disk are looked at every :data:`blockdiag.profile.RECHECK_S`
-        seconds at most, and at once when the thread count changed (either change bumps
-        ``generation``).
+        ``(generation, this thread's config stack, the six environment variables, this
+        thread's torch thread count)``; the profile files on disk are looked at every
+        :data:`blockdiag.profile.RECHECK_S` seconds at most (a change bumps ``generation``,
+        as does a change of this thread's own count: see :func:`_recheck`).
         See :mod:`blockdiag.dispatch`.
         """
-        if _now() >= _recheck_at or _threads() != _threads_seen:
-            _recheck(_now())
-        return generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4), _get(_K5)
+        threads = _threads()
+        if _now() >= _recheck_at or threads != _local.threads:
+            _recheck(_now(), threads)
+        return (generation, _local.key, _get(_K0), _get(_K1), _get(_K2), _get(_K3), _get(_K4), _get(_K5),
+                threads)
 
 else:
 
     def epoch(_now=time.monotonic, _threads=torch.get_num_threads) -> tuple:
         """A cheap, hashable value that changes whenever ``auto``'s answer may change."""
-        if _now() >= _recheck_at or _threads() != _threads_seen:
-            _recheck(_now())
-        return (generation, _local.key, *map(os.environ.get, _EPOCH_VARS))
+        threads = _threads()
+        if _now() >= _recheck_at or threads != _local.threads:
+            _recheck(_now(), threads)
+        return (generation, _local.key, *map(os.environ.get, _EPOCH_VARS), threads)
 
 
 # The name before the epoch: memos keyed on it (blockdiag.nn.mlp's) keep working.

@@ -367,3 +367,42 @@ def test_a_layer_selection_whose_epoch_moved_while_planning_is_not_kept(monkeypa
     linear._SELECTED.clear()
     linear._select("GroupedLinear", backend, torch.randn(3, 4), torch.randn(2, 2, 2), None)
     assert linear._SELECTED == {}
+
+
+def test_threads_whose_counts_differ_do_not_move_the_epoch_when_switching():
+    # Under OpenMP torch.set_num_threads sets the calling thread's count only (and that of
+    # threads whose first torch call comes later): a thread that called torch earlier keeps
+    # its count. Calls alternating between two such threads changed nothing, yet each switch
+    # bumped the generation (a process-wide "count last seen"): every plan made again.
+    threads = torch.get_num_threads()
+    ready, asked, answered = threading.Event(), threading.Event(), threading.Event()
+    out = {}
+
+    def other():
+        torch.get_num_threads()  # its first torch call: its count is fixed here
+        ready.set()
+        for _ in range(5):
+            asked.wait()
+            asked.clear()
+            out.setdefault("threads", torch.get_num_threads())
+            out.setdefault("epochs", []).append(epoch())
+            answered.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    ready.wait()
+    torch.set_num_threads(threads + 1)
+    try:
+        mine = []
+        for _ in range(5):
+            mine.append(epoch())
+            asked.set()
+            assert answered.wait(30)
+            answered.clear()
+        t.join(30)
+        if out["threads"] == torch.get_num_threads():
+            pytest.skip("this torch's thread count is process-wide: the threads cannot differ")
+        assert len(set(mine)) == 1 and len(set(out["epochs"])) == 1
+        assert mine[0] != out["epochs"][0]  # each thread's plans are its own count's
+    finally:
+        torch.set_num_threads(threads)
