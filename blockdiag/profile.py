@@ -487,7 +487,8 @@ def _locked(p: Path):
     except ImportError:
         yield
         return
-    fd = os.open(p.parent / f".{p.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # Never through a link: one planted there would have this user create its target.
+    fd = os.open(p.parent / f".{p.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:

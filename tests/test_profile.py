@@ -130,6 +130,18 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".p.json.lock", "p.json"]
 
 
+def test_a_link_planted_at_the_lock_file_is_not_followed(tmp_path):
+    # The lock file is opened with O_CREAT: through a link planted at its name, this user
+    # would create the link's target wherever it points.
+    path = tmp_path / "p.json"
+    target = tmp_path / "elsewhere" / "created"
+    target.parent.mkdir()
+    os.symlink(target, tmp_path / ".p.json.lock")
+    with pytest.raises(BlockDiagError, match="cannot write profile"):
+        profile.save_entry(entry([point(loop=1.0)]), path)
+    assert not target.exists() and not path.exists()
+
+
 def test_save_replaces_a_corrupt_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text("{garbage")

@@ -58,8 +58,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
       runs it where it is allowed and the shapes call for it: a traced ``auto``
       (``torch.compile``, ``torch.export``) where ``TRACED_HEADS_RULE`` says, eager ``auto``
       in training where ``EAGER_HEADS_RULE`` says (large blocks, many heads, large batches)
-      or ``HEADS_MIN_HIDDEN_BYTES`` does (a hidden layer of 32 MB or more over every head, 256
-      rows or more).
+      or ``HEADS_MIN_HIDDEN_BYTES`` does (a hidden layer of 32 MB or more over every head,
+      every grouped block of 64 * 64 elements or more, 256 rows or more).
     - ``"auto"`` (default): the heads where they are allowed and ``EAGER_HEADS_RULE`` (or,
       traced, ``TRACED_HEADS_RULE``) says, else the chain where it is allowed and measured
       faster, else ``"layers"``. Allowed: every layer's backend is ``"auto"`` (a backend you name is
