@@ -168,11 +168,7 @@ def _to_dtensor(fn: str, x, mesh: DeviceMesh, layout: Placement, want: Placement
             # row stride as symbols (compiled again for another width), and DTensor's sharding
             # cache cannot hash a spec that holds one.
             shape = (*x.shape[:-1], width)
-            stride, step = [], 1
-            for d in reversed(shape):
-                stride.insert(0, step)
-                step = step * d
-            kw = {"shape": torch.Size(shape), "stride": tuple(stride)}
+            kw = {"shape": torch.Size(shape), "stride": _sharding.contiguous_strides(shape)}
         x = DTensor.from_local(x, mesh, (layout,), run_check=False, **kw)
     if want is not None and not _laid_out_as(x, want):
         sliced = _laid_out_as(x, Replicate())

@@ -489,12 +489,8 @@ def _reshape_empty_dtensor(t, shape: tuple[int, ...]):
         else:  # a placement of torch's own making (strided shards): its rule's to read
             return t.reshape(shape)
     local, _ = compute_local_shape_and_global_offset(shape, t.device_mesh, placements)
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.insert(0, step)
-        step = step * max(d, 1)
     return DTensor.from_local(t.to_local().reshape(local), t.device_mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
+                              shape=torch.Size(shape), stride=_sharding.contiguous_strides(shape))
 
 
 def _reset_distributed(p, bound: float) -> None:

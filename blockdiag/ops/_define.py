@@ -327,6 +327,18 @@ def _placeholders(gy, x, weight, has_bias, gx, gw, gb):
 _VALID: dict = {}
 
 
+def _check_input_fits(name: str, x, weight) -> tuple[int, int, int]:
+    """Raise :class:`BlockDiagError` unless ``weight`` is ``[G >= 1, out, in]`` and ``x`` is ``[N, G*in]``; ``(G, out, in)``."""
+    if weight.dim() != 3:
+        raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    g, o, i = weight.shape
+    if g < 1:
+        raise BlockDiagError(f"{name}: weight must hold at least one group, got shape {tuple(weight.shape)} (groups=0)")
+    if x.dim() != 2 or x.shape[1] != g * i:
+        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    return g, o, i
+
+
 def check_operands(name: str, x, weight, bias) -> tuple[int, int, int]:
     """Raise :class:`BlockDiagError` unless the forward op's operands fit each other; ``(G, out, in)``.
 
@@ -335,13 +347,7 @@ def check_operands(name: str, x, weight, bias) -> tuple[int, int, int]:
     weight's shape: a bias of another length or dtype was read in part, broadcast or
     promoted by whatever torch op a backend ends in, or refused by it in its own words.
     """
-    if weight.dim() != 3:
-        raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
-    g, o, i = weight.shape
-    if g < 1:
-        raise BlockDiagError(f"{name}: weight must hold at least one group, got shape {tuple(weight.shape)} (groups=0)")
-    if x.dim() != 2 or x.shape[1] != g * i:
-        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    g, o, i = _check_input_fits(name, x, weight)
     if bias is not None and tuple(bias.shape) != (g * o,):
         raise BlockDiagError(f"{name}: bias must have shape ({g * o},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
     check_same_device_dtype(name, input=x, weight=weight, bias=bias)
@@ -360,11 +366,7 @@ def check_backward_operands(name: str, gy, x, weight) -> None:
     if (len(ws) == 3 and len(xs) == 2 and xs[1] == ws[0] * ws[2] and gy.shape == (xs[0], ws[0] * ws[1])
             and gy.dtype == x.dtype == weight.dtype and gy.device == x.device == weight.device):
         return
-    if weight.dim() != 3:
-        raise BlockDiagError(f"{name}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
-    g, o, i = weight.shape
-    if x.dim() != 2 or x.shape[1] != g * i:
-        raise BlockDiagError(f"{name}: input must be [N, {g * i}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    g, o, i = _check_input_fits(name, x, weight)
     if gy.dim() != 2 or tuple(gy.shape) != (x.shape[0], g * o):
         raise BlockDiagError(
             f"{name}: grad must be [N, {g * o}] with the input's N={x.shape[0]} rows, got {tuple(gy.shape)}"

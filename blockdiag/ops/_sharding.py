@@ -46,7 +46,7 @@ import torch
 
 from .._errors import BlockDiagError
 
-__all__ = ["UnevenGroupsError", "ensure", "is_dtensor", "refuse_sharded"]
+__all__ = ["UnevenGroupsError", "contiguous_strides", "ensure", "is_dtensor", "refuse_sharded"]
 
 _done = False
 _lock = threading.Lock()
@@ -196,6 +196,19 @@ def ensure() -> None:
         if not _register_strategies():
             _register_sharding()
         _done = True
+
+
+def contiguous_strides(shape) -> tuple:
+    """The row-major strides of ``shape`` (a size of 0 counts as 1, as torch's own do), for the
+    global ``stride`` that ``DTensor.from_local`` is given with an explicit global ``shape``.
+
+    ``torch.sym_max``, not ``max``: a traced size is symbolic, and comparing it would guard.
+    """
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step = step * torch.sym_max(d, 1)
+    return tuple(reversed(strides))
 
 
 def is_dtensor(t) -> bool:
