@@ -75,6 +75,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import blockdiag  # noqa: E402
 import blockdiag.distributed as bdd  # noqa: E402
+from blockdiag.profile import write_json_atomic  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING  # noqa: E402
@@ -182,8 +183,7 @@ def _worker(rank: int, config: str, heads: int, args: dict, tmp: str, tag: str) 
     finally:
         if world > 1:
             dist.destroy_process_group()
-    with open(os.path.join(tmp, f"{tag}-{rank}.json"), "w") as f:
-        json.dump(res, f)
+    write_json_atomic(os.path.join(tmp, f"{tag}-{rank}.json"), res)
 
 
 def _build(world, mesh, heads, output):
@@ -436,10 +436,7 @@ def main(argv=None) -> int:
           + f"; {report['wall_s']:.0f} s; peak: {results[0]['peak_method']}")
     report["table_markdown"] = table
     if a.json:
-        tmp_path = a.json + ".tmp"
-        with open(tmp_path, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp_path, a.json)
+        write_json_atomic(a.json, report)
     return 0
 
 

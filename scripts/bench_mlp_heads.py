@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import timeit
@@ -25,7 +24,7 @@ import torch
 
 import blockdiag
 from blockdiag.cli._run import _provenance
-from blockdiag.profile import device_name
+from blockdiag.profile import device_name, write_json_atomic
 from blockdiag.tuning._compiled import _HeadsLoop
 
 # blockdiag bench's target grid, as bench --compiled runs it.
@@ -95,8 +94,7 @@ def main(argv=None) -> int:
                "command": "python scripts/bench_mlp_heads.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "device_name": device_name("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "rounds": args.rounds, **_provenance(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json_atomic(args.json, doc)
     return 0
 
 

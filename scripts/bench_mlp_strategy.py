@@ -19,7 +19,6 @@ import argparse
 import copy
 import itertools
 import json
-import os
 import statistics
 import time
 
@@ -28,7 +27,7 @@ from torch import nn
 
 import blockdiag
 from blockdiag.cli._run import _provenance
-from blockdiag.profile import device_name
+from blockdiag.profile import device_name, write_json_atomic
 
 # (heads, [in, hidden..., out], batches): the forum's model first, then wider blocks, then
 # models with one hidden layer (one grouped layer after the shared one: no layout change
@@ -158,11 +157,7 @@ def main() -> None:
             "summary": summary,
             "rows": rows,
         }
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, doc)
 
 
 if __name__ == "__main__":

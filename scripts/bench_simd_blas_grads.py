@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
 import torch
@@ -37,7 +36,7 @@ from blockdiag.backends import _simd_ops, get, simd
 from blockdiag.backends.loop import _backward as blas_backward
 from blockdiag.cli._args import _kernel_grid_options
 from blockdiag.cli._run import _provenance
-from blockdiag.profile import device_name
+from blockdiag.profile import device_name, write_json_atomic
 
 BATCHES = (32, 256, 512, 2048)
 GROUPS = (4, 16, 32, 50)
@@ -161,8 +160,7 @@ def main(argv=None) -> int:
            "dtype": args.dtype, "rounds": args.rounds,
            "simd_variant": simd.variant(), **_provenance(), "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json_atomic(args.json, doc)
     return 0
 
 

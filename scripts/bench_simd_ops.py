@@ -28,7 +28,7 @@ from blockdiag import grouped_linear
 from blockdiag.backends import _simd_ops, get
 from blockdiag.cli._args import _kernel_grid_options
 from blockdiag.cli._run import _provenance
-from blockdiag.profile import device_name
+from blockdiag.profile import device_name, write_json_atomic
 
 BATCHES = (32, 256, 2048)
 GROUPS = (4, 16, 50)
@@ -116,8 +116,7 @@ def main(argv=None) -> int:
                "command": "python scripts/bench_simd_ops.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "device_name": device_name("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "dtype": args.dtype, "rounds": args.rounds, **_provenance(), "summary": summary, "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json_atomic(args.json, doc)
     return 0
 
 

@@ -84,10 +84,17 @@ def remaining(budget: float) -> float:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    # The report is read after the lent machine is gone: a half-written file is a lost run.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def environment() -> dict:

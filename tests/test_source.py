@@ -33,3 +33,16 @@ def test_the_library_prints_only_from_the_command_line():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("print", "breakpoint"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}()")
     assert not found, found
+
+
+def test_scripts_write_their_json_reports_atomically():
+    # A report written in place is half a file when the run is interrupted or the disk fills,
+    # and a fixed "<path>.tmp" beside it can be another user's link in a shared folder:
+    # every script writes its --json report through blockdiag.profile.write_json_atomic.
+    found = []
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "dump" and getattr(node.func.value, "id", None) == "json"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} json.dump()")
+    assert not found, found

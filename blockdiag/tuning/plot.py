@@ -159,6 +159,10 @@ def _save_atomic(fig, path: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=_DPI, format=ext.lstrip(".").lower() or None)
+        # Flushed to disk before the rename: a crash after it must not leave an empty image
+        # where the old one was (the rename can reach the disk before the data).
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         try:
             os.chmod(tmp, os.stat(target).st_mode & 0o777)
         except FileNotFoundError:
