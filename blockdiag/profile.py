@@ -135,8 +135,11 @@ def profile_key(device: str, dtype: torch.dtype) -> str:
 def _validate(doc: Any, path: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} file")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"version {doc.get('version')!r}, this blockdiag reads version {VERSION}")
+    version = doc.get("version")
+    if is_int(version, VERSION + 1):
+        raise ValueError(f"{_NEWER}: version {version}, this blockdiag reads version {VERSION}")
+    if version != VERSION:
+        raise ValueError(f"version {version!r}, this blockdiag reads version {VERSION}")
     entries = doc.get("entries")
     if not isinstance(entries, dict):
         raise ValueError("'entries' is missing or not an object")
@@ -197,9 +200,13 @@ _SETTING_RANGES = {
 # image, a log) is a mistake, and reading it whole would exhaust memory.
 MAX_PROFILE_BYTES = 64 * 2**20
 
+# A profile of a later format, from a newer blockdiag sharing the path (a downgrade, two
+# environments): not damaged, and not this version's to replace.
+_NEWER = "written by a newer blockdiag"
+
 # Reasons a file was not read at all (as opposed to read and found corrupt): their
 # warning says "is not read" and what the path names.
-_NOT_READ = ("not a regular file", "too large")
+_NOT_READ = ("not a regular file", "too large", f"ValueError: {_NEWER}")
 
 
 def _file_kind(mode: int) -> str:
@@ -237,6 +244,8 @@ def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
         if len(data) > MAX_PROFILE_BYTES:  # grew since the stat
             return None, _too_large(len(data))
         return _validate(json.loads(data), path), None
+    except FileNotFoundError:
+        return None, None  # removed since the caller's stat: a missing file, not a corrupt one
     # json.JSONDecodeError (and a UnicodeDecodeError) is a ValueError; a deeply nested
     # document raises RecursionError.
     except (OSError, ValueError, RecursionError) as e:
@@ -292,7 +301,7 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
     doc, err = read_profile(p)
     if err is not None:
         if err.startswith(_NOT_READ):
-            _warn_once(p, f"tuning profile {p} is not read, {err}")
+            _warn_once(p, f"tuning profile {p} is not read, {err.removeprefix('ValueError: ')}")
         else:
             _warn_once(p, f"tuning profile {p} is corrupt ({err})")
     elif doc is not None:
@@ -548,6 +557,10 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
 
 def _save_locked(entry: dict, p: Path, merge) -> Path:
     doc, err = read_profile(p)
+    if err is not None and err.startswith(f"ValueError: {_NEWER}"):
+        # Rewritten in this version's format, the newer version's entries would be lost.
+        raise BlockDiagError(f"save_entry: refusing to write {p}: it was {err[len('ValueError: '):]}; "
+                             "upgrade blockdiag, or name another path")
     if err is not None and (err.startswith(_NOT_READ) or err == f"ValueError: not a {FORMAT} file"):
         # Renaming a file over a FIFO or a device would silently replace it; a file too large
         # to be a profile, or JSON of another format, is likely someone's data (a disk image,

@@ -20,6 +20,7 @@ import torch
 from _params import run_or_fail_on_hang
 
 from blockdiag.cli import main
+from blockdiag import profile
 
 TINY = ["--batch", "2", "--groups", "2", "--blocks", "2x2", "--repeat", "1", "--min-time", "0"]
 
@@ -557,3 +558,15 @@ def test_an_empty_compiler_is_refused_not_taken_for_inductor(capsys):
     # the run compiled with inductor, which was not asked for.
     _refused(["bench", *TINY, "--mode", "forward", "--compiled", "linear", "--no-baselines", "--compiler", ""],
              "--compiler", "''", capsys=capsys)
+
+
+def test_tune_does_not_replace_a_profile_of_a_newer_blockdiag(tmp_path, monkeypatch, capsys):
+    # A profile shared with a newer blockdiag (a downgrade, a second environment) was called
+    # "not a blockdiag profile", and the advice was to remove it.
+    target = tmp_path / "p.json"
+    content = json.dumps({"format": "blockdiag-profile", "version": profile.VERSION + 1, "entries": {}})
+    target.write_text(content)
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["tune", *TINY, "--profile", str(target)], "written by a newer blockdiag", "upgrade blockdiag",
+             capsys=capsys)
+    assert target.read_text() == content

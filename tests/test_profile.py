@@ -572,3 +572,21 @@ def test_the_builtin_entry_of_this_machine_measured_with_another_variant_drops_s
     got = profile.builtin_entry("cpu", torch.float32)
     assert got["device_name"] == "Some CPU (2 threads)"
     assert "simd" not in got["measurements"][0]["times_us"] and "bmm_fm" in got["measurements"][0]["times_us"]
+
+
+def test_a_profile_of_a_newer_blockdiag_is_not_read_and_not_replaced(tmp_path):
+    # It was called corrupt, and save_entry rewrote it in this version's format: the newer
+    # version's entries were lost.
+    path = tmp_path / "p.json"
+    text = json.dumps({"format": profile.FORMAT, "version": profile.VERSION + 1, "entries": {"k": {"new": 1}}})
+    path.write_text(text)
+    with pytest.warns(ProfileWarning, match=rf"is not read, written by a newer blockdiag: version {profile.VERSION + 1}"):
+        assert load(path)[1] == "built-in defaults"
+    with pytest.raises(BlockDiagError, match="written by a newer blockdiag.*upgrade blockdiag"):
+        profile.save_entry(entry([point(loop=1.0)]), path)
+    assert path.read_text() == text
+
+
+def test_a_profile_removed_between_the_stat_and_the_read_is_missing_not_corrupt(tmp_path):
+    # The warning called a profile deleted in that window "corrupt (FileNotFoundError ...)".
+    assert profile._read(str(tmp_path / "gone.json"), (1, 2, 3)) == (None, None)

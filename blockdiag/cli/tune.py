@@ -35,6 +35,9 @@ def cmd_tune(args) -> int:
     _check_output(profile_option, str(path), makes_dirs=True)
     _check_distinct({profile_option: str(path), "--plot": args.plot})
     _, unreadable = prof.read_profile(path)
+    if unreadable is not None and unreadable.startswith(f"ValueError: {prof._NEWER}"):
+        raise BlockDiagError(f"{profile_option}: {path} was {unreadable[len('ValueError: '):]}; "
+                             "tune does not replace it: upgrade blockdiag, or name another profile")
     if unreadable is not None:
         # It may be something else than a damaged profile (--profile notes.json): not replaced.
         raise BlockDiagError(f"{profile_option}: {path} exists but is not a blockdiag profile ({unreadable}); "
