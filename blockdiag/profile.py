@@ -18,8 +18,9 @@ machine runs another variant, ``simd``'s times in it describe other kernels and 
 prefers an entry measured with the running variant (keyed ``...|<dtype>|<variant>``). Without one it uses the built-in table shipped in ``blockdiag/_defaults.json``
 (measured on a 2-core CPU). A missing file is silent; a corrupt file, one holding only
 entries for another torch version or device (stale), a path naming something other than a
-regular file (a FIFO, a device, a directory: never opened for reading, so never blocks) or a
-file over :data:`MAX_PROFILE_BYTES` gives one warning per file and falls back to the
+regular file (a FIFO, a device, a directory: never opened for reading, so never blocks), a
+file over :data:`MAX_PROFILE_BYTES` or one of a later format (a newer blockdiag's, which
+:func:`save_entry` does not replace) gives one warning per file and falls back to the
 defaults: ``auto`` never crashes, or hangs, on a profile.
 
 What was read is cached until it may have changed: a profile written (:func:`save_entry`)
