@@ -942,3 +942,18 @@ def test_a_hung_compiler_is_stopped_with_everything_it_started(tmp_path, monkeyp
     else:
         pytest.fail(f"the compiler's child {pid} still runs")
     assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_a_build_removes_the_staging_files_of_killed_builds(tmp_path):
+    # A build killed with SIGKILL skips its cleanup: its staging file stayed in the cache
+    # folder for good, one more per killed first build.
+    folder = tmp_path / "kernels"
+    folder.mkdir(mode=0o700)
+    dead = folder / ".lib.so.k3j2x9.tmp"
+    other = folder / ".libother.so.a1b2c3.tmp"
+    dead.write_bytes(b"half a library")
+    other.write_bytes(b"another library's build")
+    found, why, final = _libcache._fetch(folder / "lib.so", lambda p: "the stub compiler failed",
+                                         lambda lib, p: (lib, None), "the stub")
+    assert found is None and final and why == "the stub compiler failed"
+    assert not dead.exists() and other.exists()

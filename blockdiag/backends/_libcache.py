@@ -432,12 +432,33 @@ def _fetch(path: Path, build, use, what: str) -> tuple[Optional[object], Optiona
         return _fetch_locked(path, build, use, what)
 
 
+def _sweep_staging(path: Path) -> None:
+    """Remove the staging files (:func:`_staging`) of builds of ``path`` that were killed.
+
+    Called under the build lock, which a live build holds: every such file left is a dead
+    build's (a SIGKILL skips the cleanup), or its orphaned compiler's, whose writes then go
+    to an unlinked file.
+    """
+    prefix = f".{path.name}."
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            try:
+                os.unlink(path.parent / name)
+            except OSError:
+                pass
+
+
 def _fetch_locked(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
     stale = None
     if os.path.lexists(path):
         lib, stale = _load(path)
         if lib is not None:
             return (*use(lib, path), True)
+    _sweep_staging(path)
     try:
         why = build(path)
     except OSError as e:
