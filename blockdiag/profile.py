@@ -37,7 +37,6 @@ import functools
 import json
 import os
 import stat
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 from . import settings as _settings
 from ._checks import is_int
 from ._errors import BlockDiagError
+from ._files import file_kind as _file_kind, real_path, write_json_atomic
 
 FORMAT = "blockdiag-profile"
 VERSION = 1
@@ -208,15 +208,6 @@ _NEWER = "written by a newer blockdiag"
 # Reasons a file was not read at all (as opposed to read and found corrupt): their
 # warning says "is not read" and what the path names.
 _NOT_READ = ("not a regular file", "too large", f"ValueError: {_NEWER}")
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a regular file"
 
 
 def _too_large(size: int) -> str:
@@ -590,87 +581,6 @@ def _save_locked(entry: dict, p: Path, merge) -> Path:
         raise BlockDiagError(f"save_entry: cannot write profile {p}: {e}") from e
     _forget()
     return p
-
-
-def real_path(path: Path | str) -> Path:
-    """``os.path.realpath(path)``, refusing a symbolic link that Linux would not follow for ``open``.
-
-    ``realpath`` reads links (``readlink``), which ``fs.protected_symlinks`` does not check:
-    ``open`` refuses to follow a link in a sticky folder that anyone may write (``/tmp``) when
-    the link is another user's and not the folder owner's. Through ``realpath`` such a planted
-    link (at ``FILE.partial``, say, a name made up here) redirected a write to any file of this
-    user's. Links are resolved one by one here and held to that rule, wherever the system's
-    setting stands.
-
-    Raises:
-        OSError: a link on the way is another user's in such a folder, or there are too many.
-    """
-    path = os.fspath(path)
-    full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-    pending = list(reversed(Path(full).parts))  # ".." kept: resolved after the link before it, as the kernel does
-    done, hops = Path("/"), 0
-    while pending:
-        part = pending.pop()
-        if part == "/" or part == "..":
-            done = Path("/") if part == "/" else done.parent
-            continue
-        step = done / part
-        try:
-            st = os.lstat(step)
-        except FileNotFoundError:
-            st = None
-        if st is None or not stat.S_ISLNK(st.st_mode):
-            done = step
-            continue
-        hops += 1
-        if hops > 40:
-            raise OSError(f"refusing to write {path}: too many symbolic links on the way")
-        folder = os.stat(done)
-        shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
-        if shared and st.st_uid not in (os.geteuid(), folder.st_uid):
-            raise OSError(f"refusing to write {path}: {step} is a symbolic link of user id {st.st_uid} "
-                          f"in the shared folder {done}, which open() would not follow (fs.protected_symlinks)")
-        pending.extend(reversed(Path(os.readlink(step)).parts))
-    return done
-
-
-def write_json_atomic(path: Path | str, obj: Any) -> None:
-    """Write ``obj`` as JSON to a temp file beside ``path``, then rename it over ``path``.
-
-    Readers see the old file or the new one, never a half-written one; on any error the
-    temp file is removed and ``path`` is untouched. A symbolic link is written through (its
-    target is replaced, the link kept), as an ordinary write would, and refused where an
-    ordinary ``open`` would refuse it (:func:`real_path`).
-
-    Raises:
-        OSError: ``path`` names something other than a regular file (a FIFO, a device, a
-            directory): renaming over it would replace that node, not write to it; or a
-            symbolic link on the way is another user's in a shared folder (:func:`real_path`).
-    """
-    p = real_path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise OSError(f"refusing to write {path}: not a regular file: it is {_file_kind(st.st_mode)}")
-    # mkstemp creates the file 0600; a profile or a results file is not a secret. Keep the
-    # mode of the file replaced, else 0644 (reading the umask is not thread-safe).
-    try:
-        mode = os.stat(p).st_mode & 0o777
-    except OSError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # What describes one tune run in an entry's ``runs`` list.

@@ -25,9 +25,9 @@ def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> No
     if target.is_dir():
         raise BlockDiagError(f"{option}: {path!r} is a directory; name a file in it")
     if target.exists() and not target.is_file():
-        from ..profile import _file_kind
+        from .._files import file_kind
 
-        raise BlockDiagError(f"{option}: {path!r} is {_file_kind(os.stat(target).st_mode)}, not a regular file")
+        raise BlockDiagError(f"{option}: {path!r} is {file_kind(os.stat(target).st_mode)}, not a regular file")
     if target.exists() and not os.access(target, os.W_OK):
         raise BlockDiagError(f"{option}: {path!r} exists and is not writable")
     try:

@@ -148,26 +148,9 @@ def _save_atomic(fig, path: str) -> None:
     not a truncated image. The format is ``path``'s extension, as ``savefig`` would take it.
     """
     import os
-    import tempfile
 
-    from ..profile import real_path
+    from .._files import write_atomic
 
-    target = str(real_path(path))  # a symbolic link is written through, as savefig would
-    ext = os.path.splitext(target)[1]
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=ext or ".tmp",
-                               dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=_DPI, format=ext.lstrip(".").lower() or None)
-        # Flushed to disk before the rename: a crash after it must not leave an empty image
-        # where the old one was (the rename can reach the disk before the data).
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        try:
-            os.chmod(tmp, os.stat(target).st_mode & 0o777)
-        except FileNotFoundError:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    ext = os.path.splitext(path)[1]
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=_DPI, format=ext.lstrip(".").lower() or None),
+                 suffix=ext or ".tmp")
