@@ -93,6 +93,25 @@ def check_same_device_dtype(fn_name: str, **tensors: torch.Tensor | None) -> Non
         )
 
 
+def _check_strided_block(fn_name: str, arg: str, t: torch.Tensor) -> None:
+    # The builders index, stack and reshape the blocks as strided tensors: sparse or nested
+    # blocks passed the shape checks and failed inside torch ("unsupported memory format
+    # option Contiguous", "NestedTensorImpl doesn't support sizes"), naming no argument.
+    check(
+        fn_name,
+        not t.is_nested,
+        f"{arg} is a nested tensor; the builders take strided (dense) blocks of one shape: "
+        f"pass torch.stack({arg}.unbind())",
+    )
+    layout = str(t.layout).replace("torch.", "")
+    check(
+        fn_name,
+        t.layout == torch.strided,
+        f"{arg} is a {layout} tensor of shape {tuple(t.shape)}; the builders take strided (dense) "
+        f"blocks: pass {arg}.to_dense()",
+    )
+
+
 def as_blocks(fn_name: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """Return ``blocks`` as one ``[G, r, c]`` tensor, checking the shapes.
 
@@ -100,6 +119,7 @@ def as_blocks(fn_name: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> to
     (stacked, so gradients flow back to the sequence's elements).
     """
     if isinstance(blocks, torch.Tensor):
+        _check_strided_block(fn_name, "blocks", blocks)
         check(
             fn_name,
             blocks.dim() == 3,
@@ -116,6 +136,7 @@ def as_blocks(fn_name: str, blocks: torch.Tensor | Sequence[torch.Tensor]) -> to
                 f"blocks[{g}] must be a 2-D tensor, got "
                 f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}",
             )
+            _check_strided_block(fn_name, f"blocks[{g}]", b)
             check(
                 fn_name,
                 b.shape == blocks[0].shape,

@@ -374,9 +374,17 @@ def _check_shape(fn: str, shape, groups: int) -> None:
         is_int(groups, 1),
         f"groups must be a positive int, got {groups!r}",
     )
+    # Checked apart from the divisibility: groups divides an empty side, which a message
+    # saying that it must would contradict.
     check(
         fn,
-        shape[0] % groups == 0 and shape[1] % groups == 0 and shape[0] > 0 and shape[1] > 0,
+        shape[0] > 0 and shape[1] > 0,
+        f"matrix of shape {tuple(shape)} has an empty side; its blocks must have rows, cols >= 1, "
+        "as the builders' blocks do",
+    )
+    check(
+        fn,
+        shape[0] % groups == 0 and shape[1] % groups == 0,
         f"groups={groups} must divide both dimensions of the matrix of shape {tuple(shape)}",
     )
 
@@ -386,7 +394,9 @@ def to_scipy(matrix: torch.Tensor):
 
     CSR -> ``csr_array``, BSR -> ``bsr_array`` (same blocksize), COO -> ``coo_array``,
     CSC -> ``csc_array``; a dense tensor becomes a ``csr_array`` holding its non-zeros.
-    Values are copied to CPU (and detached).
+    Values and indices are copied to CPU (and detached): the scipy array shares no memory
+    with ``matrix``, nor with the blocks a builder's matrix holds, so scipy's in-place
+    methods (``eliminate_zeros``, ``*=``) leave both alone.
 
     >>> to_scipy(block_diag_csr(torch.ones(2, 1, 1))).toarray()
     array([[1., 0.],
@@ -399,18 +409,21 @@ def to_scipy(matrix: torch.Tensor):
         a ``scipy.sparse`` array.
 
     Raises:
-        BlockDiagError: for tensors that are not 2-D, on the meta device, in bfloat16 or
-            float16, or of an unsupported layout.
+        BlockDiagError: for tensors that are not 2-D, on the meta device, of a dtype numpy
+            lacks (bfloat16, float8, complex32) or float16, hybrid COO tensors, or of an
+            unsupported layout.
     """
     import scipy.sparse as sp
 
     fn = "to_scipy"
     check(fn, isinstance(matrix, torch.Tensor), f"matrix must be a tensor, got {type(matrix).__name__}")
     check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+    name = str(matrix.dtype).removeprefix("torch.")
     check(
         fn,
-        matrix.dtype != torch.bfloat16,
-        "matrix is bfloat16, which numpy and scipy do not have; convert it first (matrix.float())",
+        _numpy_has(matrix.dtype),
+        f"matrix is {name}, which numpy and scipy do not have; convert it first "
+        f"({'matrix.to(torch.complex64)' if matrix.is_complex() else 'matrix.float()'})",
     )
     # numpy has float16 but scipy.sparse does not: a CSR array of it is built, then fails
     # in its first product.
@@ -420,12 +433,24 @@ def to_scipy(matrix: torch.Tensor):
         "matrix is float16, which scipy.sparse does not support; convert it first (matrix.float())",
     )
     check(fn, not matrix.is_meta, "matrix is on the meta device, which holds no values to convert")
+    # A COO tensor of one sparse and one dense dimension is 2-D too: its values are rows, which
+    # no scipy format holds.
+    check(
+        fn,
+        matrix.layout != torch.sparse_coo or matrix.sparse_dim() == 2,
+        f"matrix is a hybrid COO tensor ({matrix.sparse_dim()} sparse and {matrix.dense_dim()} dense "
+        f"dimensions, shape {tuple(matrix.shape)}); convert it first (matrix.to_dense().to_sparse())",
+    )
     m = matrix.detach().cpu()
     shape = tuple(m.shape)
 
     def arr(t: torch.Tensor):
         # numpy() refuses a view with the conjugate or negative bit set (matrix.conj()).
-        return t.resolve_conj().resolve_neg().numpy()
+        # A copy: numpy() of a CPU tensor is its storage, and scipy's constructors keep the
+        # arrays they are given, so scipy's in-place methods (eliminate_zeros, *=, sort_indices)
+        # would rewrite the tensor (a builder's values are the caller's blocks) and leave its
+        # indices inconsistent.
+        return t.resolve_conj().resolve_neg().numpy().copy()
 
     if m.layout == torch.sparse_csr:
         return sp.csr_array((arr(m.values()), arr(m.col_indices()), arr(m.crow_indices())), shape=shape)
@@ -439,6 +464,15 @@ def to_scipy(matrix: torch.Tensor):
     if m.layout == torch.strided:
         return sp.csr_array(arr(m))
     raise BlockDiagError(f"{fn}: unsupported layout {m.layout}")
+
+
+def _numpy_has(dtype: torch.dtype) -> bool:
+    """Whether numpy has ``dtype`` (bfloat16, the float8 types and complex32 it has not)."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def from_scipy(

@@ -264,6 +264,25 @@ def test_to_scipy_names_bfloat16():
         blockdiag.to_scipy(torch.ones(2, 2, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
+@pytest.mark.parametrize("layout", list(BUILDERS))
+def test_to_scipy_names_every_dtype_numpy_lacks(dtype, layout):
+    # The builders take the float8 types (floating point): their matrices reached numpy's TypeError.
+    if dtype.is_complex:  # no builder takes complex blocks
+        m = torch.eye(4).to(dtype)
+    else:
+        m = BUILDERS[layout][0](torch.ones(2, 2, 2).to(dtype))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(BlockDiagError, match=rf"to_scipy: matrix is {name}, which numpy and scipy do not have"):
+        blockdiag.to_scipy(m)
+
+
+def test_to_scipy_refuses_a_hybrid_coo():
+    m = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 4), (4, 4))
+    with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is a hybrid COO tensor \(1 sparse and 1 dense"):
+        blockdiag.to_scipy(m)
+
+
 @pytest.mark.parametrize("layout", ["csr", "bsr", "coo"])
 def test_to_blocks_of_a_sparse_meta_matrix_gives_meta_blocks(layout):
     # The sparse path read the indices (nonzero on meta): torch's NotImplementedError.
@@ -393,3 +412,45 @@ def test_csr_index_cache_holds_int32_and_no_returned_matrix_indices():
     assert _csr_indices.cache_info().currsize == cached  # those were the entries the products made
     with pytest.raises(ValueError, match=r"int32 CSR indices cannot count 4294967296 stored entries"):
         blockdiag.layout.BlockLayout(2**16, 2**8, 2**8).csr_indices(torch.device("cpu"), torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["csr", "bsr", "coo", "csc"])
+def test_to_scipy_shares_no_memory_with_the_matrix_or_blocks(layout):
+    # scipy's in-place methods on the result must not rewrite the blocks or corrupt the matrix.
+    w = torch.tensor([[[1.0, 0.0], [2.0, 3.0]], [[4.0, 5.0], [0.0, 6.0]]])
+    orig = w.clone()
+    m = block_diag_csr(w).to_sparse_csc() if layout == "csc" else BUILDERS[layout][0](w)
+    s = to_scipy(m)
+    s *= 10
+    if layout != "coo":  # compacts data and indices in place
+        s.eliminate_zeros()
+    assert torch.equal(w, orig)
+    assert torch.equal(m.to_dense(), _scipy_dense(orig).float())
+    if layout == "csr":
+        torch._validate_sparse_csr_tensor_args(m.crow_indices(), m.col_indices(), m.values(), m.shape)
+
+
+@pytest.mark.parametrize("build", ["dense", "csr", "bsr", "coo"])
+@pytest.mark.parametrize(
+    "blocks, match",
+    [
+        (lambda: torch.ones(2, 2, 3).to_sparse(), r"blocks is a sparse_coo tensor of shape \(2, 2, 3\).*blocks.to_dense\(\)"),
+        (lambda: [torch.ones(2, 3), torch.ones(2, 3).to_sparse_csr()], r"blocks\[1\] is a sparse_csr tensor of shape \(2, 3\)"),
+        (lambda: [torch.ones(2, 3).to_sparse(), torch.ones(2, 3).to_sparse()], r"blocks\[0\] is a sparse_coo tensor"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(2, 3)]), r"blocks is a nested tensor"),
+    ],
+)
+def test_builders_name_sparse_and_nested_blocks(build, blocks, match):
+    with pytest.raises(BlockDiagError, match=rf"block_diag_{build}: {match}"):
+        BUILDERS[build][0](blocks())
+
+
+@pytest.mark.parametrize("shape, groups", [((12, 0), 3), ((0, 6), 2), ((0, 0), 1)])
+@pytest.mark.parametrize("kind", ["dense", "coo", "scipy"])
+def test_to_blocks_names_an_empty_side_not_the_divisibility(shape, groups, kind):
+    # groups divides 0: saying that it must divide the shape contradicted the shape shown.
+    m = torch.zeros(shape)
+    m = {"dense": m, "coo": m.to_sparse(), "scipy": sp.csr_array(m.numpy())}[kind]
+    with pytest.raises(BlockDiagError, match=rf"to_blocks: matrix of shape \({shape[0]}, {shape[1]}\) has an empty side") as e:
+        to_blocks(m, groups)
+    assert "must divide" not in str(e.value)
