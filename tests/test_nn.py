@@ -626,6 +626,121 @@ def test_from_linears_and_to_linears_keep_frozen_parameters():
         GroupedLinear.from_linears(lins)
 
 
+def _old_style(kind):
+    """Set ``kind`` (torch.nn.utils.prune or the old weight_norm / spectral_norm) up on a layer."""
+    import warnings
+    from torch.nn.utils import prune
+
+    def setup(layer):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the old ones
+            if kind == "prune":
+                prune.l1_unstructured(layer, "weight", amount=0.3)
+            elif kind == "weight_norm":
+                nn.utils.weight_norm(layer, dim=0)
+            else:
+                nn.utils.spectral_norm(layer)
+        return layer
+
+    return setup
+
+
+@pytest.mark.parametrize("kind", ["prune", "weight_norm", "spectral_norm"])
+def test_to_linears_and_to_heads_copy_a_hook_computed_weight_as_of_now(kind):
+    # prune and the old weight_norm / spectral_norm keep ``weight`` as an attribute that a
+    # forward pre-hook recomputes: after an optimizer step it still held the value of the
+    # last forward, and the heads converted then silently lacked the step (and, after a
+    # no_grad forward, had a frozen weight).
+    torch.manual_seed(0)
+    x = torch.randn(8, 12, dtype=torch.float64)
+    layer = _old_style(kind)(GroupedLinear(12, 8, groups=4, dtype=torch.float64)).eval()
+    model = GroupedMLP(12, [6], 2, heads=3, dtype=torch.float64).eval()
+    _old_style(kind)(model.layers[1])
+    for m in (layer, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        m(x).square().sum().backward()
+        opt.step()
+        with torch.no_grad():
+            m(x)  # an evaluation pass last: the attribute then requires no grad
+    heads = layer.to_linears()
+    torch.testing.assert_close(torch.cat([h(xs) for h, xs in zip(heads, x.split(3, -1))], -1), layer(x))
+    assert all(h.weight.requires_grad for h in heads)
+    heads = model.to_heads()
+    torch.testing.assert_close(torch.cat([h(x) for h in heads], -1), model(x))
+    assert all(h[2].weight.requires_grad for h in heads)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_conversions_of_parametrized_modules_keep_requires_grad_under_no_grad(grad):
+    # requires_grad was read from the computed weight, which under no_grad never requires
+    # grad: converting a masked or weight_norm'd model there froze its weight silently, and
+    # the check for heads frozen alike passed whatever they were.
+    from torch.nn.utils import parametrizations
+
+    heads = _three_heads()
+    for head in heads:
+        blockdiag.mask_block_diagonal_(head[2], 2)
+    lins = [parametrizations.weight_norm(nn.Linear(3, 2)) for _ in range(2)]
+    layer = parametrizations.weight_norm(GroupedLinear(12, 8, groups=4), dim=0)
+    with torch.set_grad_enabled(grad):
+        assert all(p.requires_grad for p in GroupedMLP.from_heads(heads).parameters())
+        assert GroupedLinear.from_linears(lins).weight.requires_grad
+        assert all(lin.weight.requires_grad for lin in layer.to_linears())
+    # Inside a torch.func transform the computed weight is a wrapped tensor: requires_grad_
+    # on the copy (as if it differed) is refused there, and building failed.
+    x = torch.randn(4, 5)
+    torch.func.jvp(lambda x: GroupedMLP.from_heads(heads)(x), (x,), (torch.ones_like(x),))
+    for p in lins[1].parametrizations.weight.parameters():
+        p.requires_grad_(False)
+    with torch.set_grad_enabled(grad), pytest.raises(
+            BlockDiagError, match=r"linears\[1\] has requires_grad \{'weight': False, 'bias': True\}"):
+        GroupedLinear.from_linears(lins)
+    for p in lins[0].parametrizations.weight.parameters():
+        p.requires_grad_(False)
+    with torch.set_grad_enabled(grad):
+        assert not GroupedLinear.from_linears(lins).weight.requires_grad
+
+
+def test_conversions_compute_a_parametrized_weight_once_per_module():
+    # Every check of from_linears / from_heads read a parametrized weight again (heads[0]'s
+    # at every head's check): spectral_norm stepped its power iteration each time, so the
+    # converted layer differed from the heads' next forward and the heads' state moved.
+    from torch.nn.utils import parametrize, parametrizations
+
+    calls = []
+
+    class Count(nn.Module):
+        def forward(self, w):
+            calls.append(1)
+            return w
+
+    lins = [parametrize.register_parametrization(nn.Linear(3, 2), "weight", Count()) for _ in range(6)]
+    heads = [nn.Sequential(lin, nn.ReLU(), nn.Linear(2, 1)) for lin in copy.deepcopy(lins)]
+    calls.clear()
+    GroupedLinear.from_linears(lins)
+    assert len(calls) == 6
+    calls.clear()
+    GroupedMLP.from_heads(heads)
+    assert len(calls) == 6
+    torch.manual_seed(0)
+    sn = [parametrizations.spectral_norm(nn.Linear(6, 4, dtype=torch.float64)) for _ in range(3)]
+    untouched = copy.deepcopy(sn)
+    x = torch.randn(5, 18, dtype=torch.float64)
+    layer = GroupedLinear.from_linears(sn)
+    torch.testing.assert_close(layer(x), torch.cat([h(xs) for h, xs in zip(untouched, x.split(6, -1))], -1))
+    for a, b in zip(sn, untouched):  # each head stepped once, as its forward steps
+        torch.testing.assert_close(a.parametrizations.weight[0]._u, b.parametrizations.weight[0]._u)
+
+
+def test_conversions_of_linears_with_an_empty_side_name_the_linear():
+    # The refusal came from the layer being built and named its totals ("in_features=0,
+    # out_features=6" for two nn.Linear(0, 3)), or only a list of sizes: not the linear.
+    with pytest.raises(BlockDiagError, match=r"from_linears: linears\[0\] has weight shape \(3, 0\) \(nn.Linear\(0, 3\)\)"):
+        GroupedLinear.from_linears([nn.Linear(0, 3) for _ in range(2)])
+    with pytest.raises(BlockDiagError, match=r"from_heads: heads\[0\]\[2\] has weight shape \(0, 4\)"):
+        GroupedMLP.from_heads([nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 0)) for _ in range(2)])
+
+
 def test_from_heads_takes_masked_heads():
     # A masked Linear's class is made for it alone: heads[1][0] and heads[0][0], both
     # ParametrizedLinear, were refused as different types.

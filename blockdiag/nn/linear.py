@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Sequence
@@ -9,6 +10,9 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.autograd import forward_ad as _fwad
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 
 from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
@@ -80,6 +84,25 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
         "register_post_accumulate_grad_hook), which the converted module's parameters would not run; "
         "remove them, convert, and register them on the new parameters",
     )
+
+
+def computing_once(convert):
+    """``convert`` (a conversion from modules) with each parametrized tensor computed once.
+
+    A parametrized ``weight`` is computed on every read (``spectral_norm`` steps its power
+    iteration, a random parametrization draws again, a costly one costs again), and the
+    checks of a conversion read it as well as the copy: many steps for ``heads[0]``, whose
+    every check reads it. Under ``parametrize.cached()`` each module's value is computed at
+    its first read, as the module's own next forward would compute it, and every later read
+    is that value, so the copy is what the heads compute.
+    """
+
+    @functools.wraps(convert)
+    def run(*args, **kwargs):
+        with parametrize.cached():
+            return convert(*args, **kwargs)
+
+    return run
 
 
 def _refuse_shared_parameters(fn: str, named: list) -> None:
@@ -165,8 +188,50 @@ def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(_bytes_of(mask, lo, b).any())
 
 
+def _trains(module: nn.Module, name: str, value: torch.Tensor) -> bool:
+    """Whether ``module.<name>``, read as ``value``, trains: whether a gradient reaches a parameter.
+
+    A parametrized tensor is computed from the parametrization's parameters (``original``,
+    and any of the parametrization's own) on every read, and the computed value requires grad
+    only where grad mode was on at the read: under ``torch.no_grad()``, where converting is
+    often done as a copy of weights, it never does. Those parameters decide instead, as they
+    do in a forward.
+    """
+    plist = getattr(getattr(module, "parametrizations", None), name, None)
+    if plist is not None:
+        return any(p.requires_grad for p in plist.parameters())
+    return value.requires_grad
+
+
 def _requires_grad(lin: nn.Module) -> dict:
-    return {n: t.requires_grad for n, t in (("weight", lin.weight), ("bias", lin.bias)) if t is not None}
+    return {n: _trains(lin, n, t) for n, t in (("weight", lin.weight), ("bias", lin.bias)) if t is not None}
+
+
+def _read_current(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``module.<name>`` as the module's next forward computes it (a conversion's read).
+
+    ``torch.nn.utils.prune`` and the old ``weight_norm`` / ``spectral_norm`` keep the tensor
+    as a plain attribute that a forward pre-hook recomputes from their parameters
+    (``weight_orig`` and the mask, ``weight_g`` and ``weight_v``): between an optimizer step
+    and the next forward it still holds the value from before the step, and it requires grad
+    only if the forward that set it recorded. The hook's own computation gives the current
+    value; it runs with grad enabled, as in a training forward, so that whether the value
+    requires grad follows those parameters. Hooks run in order and the last one to set the
+    name wins, so the last matching one is used.
+    """
+    value = getattr(module, name)
+    # Not imported here: unimported, no module was pruned (and importing it costs).
+    prune = sys.modules.get("torch.nn.utils.prune")
+    for hook in module._forward_pre_hooks.values():
+        with torch.enable_grad():
+            if prune is not None and isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == name:
+                value = hook.apply_mask(module)
+            elif isinstance(hook, _WeightNorm) and hook.name == name:
+                value = hook.compute_weight(module)
+            elif isinstance(hook, _SpectralNorm) and hook.name == name:
+                # As its hook does in a forward: one power iteration in training mode.
+                value = hook.compute_weight(module, do_power_iteration=module.training)
+    return value
 
 
 def _copy_state(src: nn.Module, dst: nn.Module, read: tuple | None = None) -> None:
@@ -179,9 +244,9 @@ def _copy_state(src: nn.Module, dst: nn.Module, read: tuple | None = None) -> No
     # Only where it differs: requires_grad_ is refused inside a torch.func transform, where
     # a conversion may run (a reference model built from heads inside jvp).
     weight, bias = (src.weight, src.bias) if read is None else read
-    for a, b in ((weight, dst.weight), (bias, dst.bias)):
-        if a is not None and a.requires_grad != b.requires_grad:
-            b.requires_grad_(a.requires_grad)
+    for name, a, b in (("weight", weight, dst.weight), ("bias", bias, dst.bias)):
+        if a is not None and _trains(src, name, a) != b.requires_grad:
+            b.requires_grad_(_trains(src, name, a))
 
 
 def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -666,6 +731,7 @@ class GroupedLinear(nn.Module):
 
 
     @classmethod
+    @computing_once
     def from_linears(cls, linears: Sequence[nn.Linear], *, backend: str = "auto") -> "GroupedLinear":
         """Stack ``G`` equal-shaped ``nn.Linear`` into one layer (weights and biases copied).
 
@@ -714,6 +780,11 @@ class GroupedLinear(nn.Module):
         _refuse_shared_parameters(fn, [(f"linears[{k}]", lin) for k, lin in enumerate(linears)])
         g = len(linears)
         o, i = first.weight.shape
+        # The layer's own refusal would name its totals (in_features=0, out_features=G * o),
+        # which the caller never passed: name the linears' shape instead.
+        check(fn, o >= 1 and i >= 1,
+              f"linears[0] has weight shape {(o, i)} (nn.Linear({i}, {o})): a GroupedLinear block needs at "
+              "least one input and one output feature")
         layer = cls(g * i, g * o, g, bias=first.bias is not None, backend=backend,
                     device=first.weight.device, dtype=first.weight.dtype)
         with torch.no_grad():
@@ -739,8 +810,9 @@ class GroupedLinear(nn.Module):
         _sharding.refuse_sharded("GroupedLinear.to_linears", self)
         out = nn.ModuleList()
         # Read once: a parametrized weight is computed on every read (spectral_norm steps its
-        # power iteration), and every head must come from the one value.
-        weight, bias = self.weight, self.bias
+        # power iteration), and every head must come from the one value; a pruned one as the
+        # next forward computes it, not the stale attribute of the last forward.
+        weight, bias = _read_current(self, "weight"), _read_current(self, "bias")
         for g in range(self.groups):
             lin = nn.Linear(self.block_in, self.block_out, bias=bias is not None,
                             device=weight.device, dtype=weight.dtype)

@@ -12,10 +12,12 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from ..._checks import check, check_same_device_dtype
 from ...ops._sharding import refuse_sharded
-from ..linear import _copy_state, _refuse_shared_parameters, _requires_grad, check_plain_linear
+from ..linear import (_copy_state, _read_current, _refuse_shared_parameters, _requires_grad, check_plain_linear,
+                      computing_once)
 from .activations import _check_activation, _hooked
 
 
+@computing_once
 def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, backend: str, strategy: str):
     """:meth:`GroupedMLP.from_heads` (``cls``: the class to build)."""
     fn = "GroupedMLP.from_heads"
@@ -97,6 +99,11 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
         check(fn, ref[b].weight.shape[1] == ref[a].weight.shape[0],
               f"heads[0][{b}] takes {ref[b].weight.shape[1]} inputs (weight {tuple(ref[b].weight.shape)}) but "
               f"heads[0][{a}] gives {ref[a].weight.shape[0]} (weight {tuple(ref[a].weight.shape)}): the head cannot run")
+    # GroupedMLP's own refusal would list the sizes only: name the Linear and its shape.
+    for k in at:
+        check(fn, 0 not in ref[k].weight.shape,
+              f"heads[0][{k}] has weight shape {tuple(ref[k].weight.shape)}: every Linear of a GroupedMLP "
+              "needs at least one input and one output feature")
     bias = [lin.bias is not None for lin in lins0]
     sizes = [lins0[0].weight.shape[1]] + [lin.weight.shape[0] for lin in lins0]
     w0 = lins0[0].weight
@@ -170,8 +177,9 @@ def to_heads(model) -> nn.ModuleList:
     sizes = [model.in_features, *model.hidden_features, model.out_features]
     out = nn.ModuleList()
     # Each layer's weight and bias read once: a parametrized one is computed on every read
-    # (spectral_norm steps its power iteration), and every head must come from the one value.
-    read = [(layer.weight, layer.bias) for layer in model.layers]
+    # (spectral_norm steps its power iteration), and every head must come from the one value;
+    # a pruned one as the next forward computes it (see _read_current).
+    read = [(_read_current(layer, "weight"), _read_current(layer, "bias")) for layer in model.layers]
     for h in range(model.heads):
         mods: list[nn.Module] = []
         for k, layer in enumerate(model.layers):
