@@ -32,6 +32,7 @@ import copy
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -124,15 +125,25 @@ def _laid_out_as(x, layout: Placement) -> bool:
     return type(p) is Shard and p.dim % x.ndim == layout.dim % x.ndim
 
 
-def _check_local_width(fn: str, x, layout: Placement, width: int, world: int) -> None:
+def _check_local_width(fn: str, x, layout: Placement, width: int, world: int, mesh: DeviceMesh) -> None:
     """A plain input said to be sharded by feature must have this rank's share of the features."""
     if (type(layout) is Shard and isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 1
             and x.shape[-1] != width // world):
+        if mesh.get_coordinate() is None:
+            # DTensor computes nothing on a rank outside the mesh and hands back an empty local
+            # tensor, which reaches the next layer here: its width is not the caller's mistake.
+            raise BlockDiagError(_outside_mesh(fn, mesh, f"the input here has shape {tuple(x.shape)}"))
         whole = " (the whole input? pass input_layouts=Replicate() for that)" if x.shape[-1] == width else ""
         raise BlockDiagError(
             f"{fn}: with input_layouts=Shard(-1) each rank passes its own groups' features, "
             f"[..., {width} / {world} = {width // world}]; this rank passed shape {tuple(x.shape)}{whole}"
         )
+
+
+def _outside_mesh(fn: str, mesh: DeviceMesh, what: str) -> str:
+    return (f"{fn}: this process (global rank {dist.get_rank()}) is not in {mesh}, so it owns none of the groups "
+            f"(DTensor computes nothing on it: a group-parallel layer's output there is an empty tensor); {what}; "
+            "run the model on the ranks of its mesh")
 
 
 def _to_dtensor(fn: str, x, mesh: DeviceMesh, layout: Placement, want: Placement | None = None,
@@ -271,7 +282,7 @@ class GroupParallel(ParallelStyle):
         by_group = Shard(-1) if module.groups > 1 else Replicate()
 
         def prepare(x):
-            _check_local_width(fn, x, self.input_layouts, module.in_features, world)
+            _check_local_width(fn, x, self.input_layouts, module.in_features, world, device_mesh)
             return _to_dtensor(fn, x, device_mesh, self.input_layouts, by_group, module.in_features)
 
         _on_input(module, prepare)
@@ -342,7 +353,7 @@ def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupP
     width = model.heads * model.in_features
 
     def prepare(x):
-        _check_local_width(fn, x, style.input_layouts, width, world)
+        _check_local_width(fn, x, style.input_layouts, width, world, mesh)
         if isinstance(style.input_layouts, Replicate):
             return x
         return _to_dtensor(fn, x, mesh, style.input_layouts, width=width)
@@ -409,6 +420,9 @@ def local_groups(groups: int, mesh: DeviceMesh) -> range:
     """
     world = _check_mesh("local_groups", mesh)
     _check_split("local_groups", "groups", groups, world, "groups")
+    if mesh.get_coordinate() is None:
+        # torch's get_local_rank fails there with an IndexError from its own internals.
+        raise BlockDiagError(_outside_mesh("local_groups", mesh, "there is no range to give"))
     r = mesh.get_local_rank()
     per = groups // world
     return range(r * per, (r + 1) * per)

@@ -192,7 +192,7 @@ def _reset_parameters(self) -> None:
     parametrizations stacked on the mask are set aside meanwhile: ``original`` gets the
     module's own initialisation, which they then transform as they do any value.
     """
-    base = super(type(self), self).reset_parameters
+    base = _overridden_reset_parameters(self)
     mask_mod = _mask_of(self)
     if mask_mod is None:
         return base()
@@ -201,6 +201,20 @@ def _reset_parameters(self) -> None:
     with torch.no_grad():
         orig = self.parametrizations.weight.original
         orig.masked_fill_(~_mask_like(mask_mod, orig), 0)
+
+
+def _overridden_reset_parameters(module: nn.Module):
+    """The ``reset_parameters`` that the masked one replaces, bound to ``module``.
+
+    Looked up past the class that holds the masked one, not past ``type(module)``: a class
+    derived from the masked module's own (FSDP2's ``fully_shard`` gives the module one)
+    inherits the masked ``reset_parameters``, which ``super(type(module), module)`` would find
+    again, recursing without end.
+    """
+    for cls in type(module).__mro__:
+        if cls.__dict__.get("reset_parameters") is _reset_parameters:
+            return super(cls, module).reset_parameters
+    return super(type(module), module).reset_parameters
 
 
 def _mask_like(mask_mod: BlockDiagonalMask, t: torch.Tensor) -> torch.Tensor:

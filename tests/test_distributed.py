@@ -17,6 +17,9 @@ The jobs, in order (the 2-rank job loads the 4-rank job's checkpoint):
   ``GroupedLinear`` with a sharded input and a replicated output; float64; the checkpoint
   loaded on 2 ranks; ``to_heads`` refused and ``gather_model``.
 * ``raise``: a rank raises while the other waits in a collective: the job must fail fast.
+* ``masked_meta``: a masked ``nn.Linear`` sharded on its own by FSDP2 from the meta device,
+  then ``reset_parameters``.
+* ``outside_mesh``: a model sharded over a mesh of one rank, called on a rank outside it.
 
 The checkpoint is then loaded once more in this process, with no process group, into a plain
 ``GroupedMLP`` (4 -> 2 -> 1).
@@ -292,6 +295,25 @@ def test_a_rank_that_raises_does_not_hang_the_others(tmp):
     rc, out, seconds, _ = _launch("raise", 2, tmp, timeout=120)
     assert rc != 0 and "rank 1 fails on purpose" in out, out[-4000:]
     assert seconds < 60, f"the job took {seconds:.0f} s to fail"
+
+
+def test_masked_linear_sharded_on_its_own_by_fsdp2_resets_from_the_meta_device(tmp):
+    # fully_shard(linear) derives a class from the masked one; its reset_parameters recursed.
+    for rank, r in enumerate(_run_ok("masked_meta", 2, tmp)):
+        c = r["masked_meta"]
+        assert c["error"] == "", (rank, c)
+        assert c["off_block"] == 0.0 and 0.0 < c["block_max"] <= c["bound"] and c["out_shape"] == [3, 2], (rank, c)
+
+
+def test_a_rank_outside_the_mesh_is_told_so(tmp):
+    # DTensor computes nothing on a rank outside the mesh (empty outputs); the next layer
+    # blamed input_layouts=Shard(-1), which nobody passed, and local_groups raised an IndexError.
+    rank0, rank1 = _run_ok("outside_mesh", 2, tmp)
+    assert rank0["outside_mesh"] == {"mlp": [3, 4], "local_groups": [0, 2]}, rank0
+    for key in ("mlp", "local_groups"):
+        m = rank1["outside_mesh"][key]
+        assert m.startswith("BlockDiagError: ") and "(global rank 1) is not in DeviceMesh" in m, (key, m)
+        assert "Shard(-1)" not in m, (key, m)
 
 
 def test_arguments_refused_without_a_process_group():
@@ -1002,6 +1024,62 @@ def _masked_fsdp2(mesh):
             "round_trip": max(_err(_full(v), full[k]) for k, v in net.state_dict().items())}
 
 
+def _job_masked_meta(rank, world, tmp):
+    """FSDP2's deferred init of a masked nn.Linear sharded on its own (per layer, then the root),
+    from the meta device: reset_parameters initialises ``original`` within the blocks."""
+    import math
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import blockdiag
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        net = torch.nn.Sequential(blockdiag.mask_block_diagonal_(torch.nn.Linear(8, 6), 2), torch.nn.ReLU(),
+                                  torch.nn.Linear(6, 2))
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    net.to_empty(device="cpu")
+    out = {"error": ""}
+    try:
+        with warnings.catch_warnings():  # DTensor's "random operators ... on cpu device mesh"
+            warnings.simplefilter("ignore", UserWarning)
+            for m in net.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+    except RecursionError as e:
+        out["error"] = f"RecursionError: {e}"
+        return {"masked_meta": out}
+    w = _full(net[0].parametrizations.weight.original).detach()
+    off = ~blockdiag.block_diag_mask(2, (3, 4))
+    out["off_block"] = float(w[off].abs().max())
+    out["block_max"] = float(w[~off].abs().max())
+    out["bound"] = 1 / math.sqrt(8)  # nn.Linear's kaiming_uniform_(a=sqrt(5)) bound, 1/sqrt(fan_in)
+    out["out_shape"] = list(net(torch.randn(3, 8)).shape)
+    return {"masked_meta": out}
+
+
+def _job_outside_mesh(rank, world, tmp):
+    """A model sharded over a mesh of rank 0 alone, called on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    mesh = DeviceMesh("cpu", [0])
+    torch.manual_seed(0)
+    model = bdd.parallelize_groups(blockdiag.GroupedMLP(5, [4], 2, heads=2, shared_input=False), mesh)
+    out = {}
+    for key, fn in (("mlp", lambda: list(model(torch.randn(3, 10)).shape)),
+                    ("local_groups", lambda: [bdd.local_groups(2, mesh).start, bdd.local_groups(2, mesh).stop])):
+        try:
+            out[key] = fn()
+        except (blockdiag.BlockDiagError, IndexError) as e:  # IndexError: torch's, before the check
+            out[key] = f"{type(e).__name__}: {e}"
+    return {"outside_mesh": out}
+
+
 def _job_raise(rank, world, tmp):
     import torch.distributed as dist
 
@@ -1011,7 +1089,8 @@ def _job_raise(rank, world, tmp):
     return {}
 
 
-JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled}
+JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled, "masked_meta": _job_masked_meta,
+        "outside_mesh": _job_outside_mesh}
 
 
 def _worker(rank, job, world, tmp):

@@ -341,6 +341,24 @@ def test_reset_parameters_of_a_copy_and_after_removal():
     assert bool((twin.weight[OFF] != 0.0).all())
 
 
+def test_reset_parameters_of_a_module_whose_class_derives_from_the_masked_one():
+    # FSDP2's fully_shard(lin) does this: lin's class becomes FSDP<ParametrizedLinear>, which
+    # inherits the masked reset_parameters (it recursed without end; tests/test_distributed.py
+    # runs fully_shard itself).
+    torch.manual_seed(0)
+    lin = mask_block_diagonal_(nn.Linear(8, 6), 2)
+    lin.__class__ = type("Derived" + type(lin).__name__, (type(lin),), {})
+    with torch.no_grad():
+        lin.parametrizations.weight.original.fill_(7.0)  # as to_empty would leave it: garbage
+    torch.manual_seed(1)
+    lin.reset_parameters()
+    ref = mask_block_diagonal_(nn.Linear(8, 6), 2)
+    torch.manual_seed(1)
+    ref.reset_parameters()
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+    assert bool((lin.parametrizations.weight.original[~block_diag_mask(2, (3, 4))] == 0.0).all())
+
+
 # --- copies, stacked parametrizations, checkpoints' key names ---------------------------------
 
 
