@@ -8,8 +8,11 @@ build can fail.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +201,69 @@ def test_a_kernel_that_disagrees_with_torch_is_refused_at_the_first_call(monkeyp
         with pytest.raises(BlockDiagError, match="simd: the compiled input gradient kernel did not match"):
             grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="simd")
     finally:
+        simd._check.cache_clear()
+
+
+@pytest.mark.parametrize("how", ["auto planned for inference", "the backward op"])
+def test_a_backward_that_is_the_first_call_runs_the_self_check(monkeypatch, how):
+    # The self-check ran only in forward paths. auto plans its backward for training: a forward
+    # planned for inference (jit.trace, the op with train=False) ran another backend, and the
+    # backward then ran simd's kernels unchecked, as did a first call of the public backward op:
+    # a kernel that disagreed with torch gave wrong gradients instead of a BlockDiagError.
+    from _profiles import entry, point, write
+
+    from blockdiag.ops import auto
+
+    n, g, i, o = 64, 4, 16, 16
+    write(Path(os.environ["BLOCKDIAG_PROFILE"]),
+          entry([point("forward", n, g, i, o, bmm=1.0, simd=100.0, loop=50.0, mkl_batch=100.0),
+                 point("train", n, g, i, o, bmm=100.0, simd=1.0, loop=50.0, mkl_batch=100.0)]))
+    x, w = torch.randn(n, g * i), torch.randn(g, o, i, requires_grad=True)
+    real = simd._grad_weight
+    monkeypatch.setattr(simd, "_grad_weight", lambda *a: tuple(t if t is None else t * 2 for t in real(*a)))
+    simd._check.cache_clear()
+    try:
+        with pytest.raises(BlockDiagError, match="simd: the compiled weight gradient kernel did not match"):
+            if how == "the backward op":
+                torch.ops.blockdiag.simd_backward(torch.ones(n, g * o), x, w.detach(), False, False, True)
+            else:
+                assert (auto.choice(x, w, False), auto.choice(x, w, True)) == ("bmm", "simd")
+                y = torch.ops.blockdiag.auto(x, w, None, False)
+                y.backward(torch.ones_like(y))
+    finally:
+        monkeypatch.undo()
+        simd._check.cache_clear()
+
+
+# The forward's dot-product form (_simd_body.h's use_dot): at most this many outputs and at
+# least this many inputs, per variant and dtype.
+DOT_FORM = {"avx512": {torch.float32: (10, 64), torch.float64: (5, 32)},
+            "avx2": {torch.float32: (5, 32), torch.float64: (2, 16)},
+            "neon": {torch.float32: (2, 16), torch.float64: (1, 8)}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_the_self_check_runs_the_forwards_dot_product_form(monkeypatch, dtype):
+    # Its shapes took the broadcast form only: a dot form that computed wrong products (the
+    # 150x10 blocks' path) passed the check. Here exactly the dot-form calls are made wrong.
+    found, why = simd._library()
+    assert why is None, why
+    max_o, min_i = DOT_FORM[simd.variant()][dtype]
+    real = found[dtype][0]
+    element = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
+
+    def forward(x, ldx, w, b, y, ldy, rows, g, i, o, threads):
+        code = real(x, ldx, w, b, y, ldy, rows, g, i, o, threads)
+        if o <= max_o and i >= min_i and rows * g * o:
+            element.from_address(y).value += 1.0
+        return code
+
+    monkeypatch.setattr(simd, "_library", lambda: ({**found, dtype: (forward, *found[dtype][1:])}, None))
+    simd._check.cache_clear()
+    try:
+        assert "the compiled forward kernel did not match torch" in (simd._check(dtype) or "passed")
+    finally:
+        monkeypatch.undo()
         simd._check.cache_clear()
 
 

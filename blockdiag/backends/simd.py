@@ -722,11 +722,15 @@ _check.cache_clear = _CHECKED.clear
 
 def _run_check(dtype: torch.dtype) -> Optional[str]:
     # Shapes with partial vectors, several column chunks and row tiles, and leading dimensions
-    # larger than the widths (column slices). Operands are rounded to ``dtype``, the reference
-    # is computed from them in float64.
+    # larger than the widths (column slices). The last three take the forward's dot-product
+    # form (``use_dot`` in _simd_body.h), with a partial last vector of inputs and partial row
+    # tiles: 70x1 in every variant and dtype, 70x5 in AVX-512 and in AVX2 float32, 150x10 in
+    # AVX-512 float32; the first three take the broadcast form only. Operands are rounded to
+    # ``dtype``, the reference is computed from them in float64.
     gen = torch.Generator(device="cpu").manual_seed(0)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
-    for n, g, i, o in ((13, 3, 5, 7), (9, 2, 70, 19), (40, 2, 3, 33)):
+    for n, g, i, o in ((13, 3, 5, 7), (9, 2, 70, 19), (40, 2, 3, 33), (11, 2, 70, 1), (13, 3, 70, 5),
+                       (9, 2, 150, 10)):
         def rand(*shape):
             return torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(dtype)
 

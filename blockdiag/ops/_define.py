@@ -229,6 +229,18 @@ class OpEntry:
         self._op_fn = None
         self._py_fn = None
 
+    def run_check(self, x, weight, bias) -> None:
+        """Raise :class:`BlockDiagError` when ``check`` says the kernels cannot run these operands.
+
+        Before every kernel call, forward or backward: a backward op can be the first call
+        in a dtype (``auto`` plans its backward for training, its forward perhaps not; the
+        backward op is public), and the native backends' self-checks run in ``check``.
+        """
+        if self.check is not None:
+            why = self.check(x, weight, bias)
+            if why is not None:
+                raise BlockDiagError(f"{self.name}: {why}")
+
     # The routes -------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if plain_eager(x, weight, bias):
@@ -237,10 +249,7 @@ class OpEntry:
 
     def eager(self, x, weight, bias):
         """The kernel called directly (plain eager tensors): in the autograd Function if recording."""
-        if self.check is not None:
-            why = self.check(x, weight, bias)
-            if why is not None:
-                raise BlockDiagError(f"{self.name}: {why}")
+        self.run_check(x, weight, bias)
         if not self.eager_autograd and _records(x, weight, bias):
             return self._eager_fn.apply(x, weight, bias)
         return self.forward(x, weight, bias)
@@ -274,10 +283,7 @@ class OpEntry:
     def _impl(self, x, weight, bias):
         self._guard(("input", x), ("weight", weight), ("bias", bias))
         _validate(self.name, x, weight, bias)
-        if self.check is not None:
-            why = self.check(x, weight, bias)
-            if why is not None:
-                raise BlockDiagError(f"{self.name}: {why}")
+        self.run_check(x, weight, bias)
         y = self.forward(x, weight, bias)
         return y if self.traceable and self.fake is None else _contiguous(y)
 
@@ -298,6 +304,7 @@ class OpEntry:
     def _bwd_impl(self, gy, x, weight, has_bias, need_x, need_w):
         self._guard(("grad", gy), ("input", x), ("weight", weight))
         check_backward_operands(f"{self.name}_backward", gy, x, weight)
+        self.run_check(x, weight, None)
         gx, gw, gb = self.run_backward(gy, x, weight, has_bias, need_x, need_w)
         return _placeholders(gy, x, weight, has_bias, gx, gw, gb)
 

@@ -119,12 +119,7 @@ def _forward_kernel(name, x, weight, bias):
         with torch.no_grad():
             return get(name).fn(x, weight, bias)
     entry._guard(("input", x), ("weight", weight), ("bias", bias))
-    if entry.check is not None:
-        why = entry.check(x, weight, bias)
-        if why is not None:
-            from .._errors import BlockDiagError
-
-            raise BlockDiagError(f"{name}: {why}")
+    entry.run_check(x, weight, bias)
     if entry.rows is not None and rows_pay(weight.shape[1], x.dtype):
         # The op's result is contiguous: a feature-major backend writes it directly.
         return entry.rows(x, weight, bias)
@@ -145,6 +140,10 @@ def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
     check_backward_operands("auto_backward", gy, x, weight)
     name = choice(x, weight, True, _plain(gy, x, weight))
     entry = _ENTRIES.get(name)
+    if entry is not None:
+        # The training plan may name a backend the forward (planned for inference: jit.trace,
+        # train=False) never ran, whose self-check has then not run either.
+        entry.run_check(x, weight, None)
     if entry is None:
         gx, gw, gb = generic_backward(gy, x, weight, has_bias, need_x, need_w, True)
     elif need_x and entry.rows_input_grad is not None and rows_pay(weight.shape[2], gy.dtype):
