@@ -534,7 +534,14 @@ def test_compiled_auto_under_forward_ad_takes_no_native_route():
     compiled(x)  # the native route's graph
     tangent = torch.randn_like(x)
     with fwad.dual_level():
-        y = compiled(fwad.make_dual(x, tangent))
+        try:
+            y = compiled(fwad.make_dual(x, tangent))
+        except torch._dynamo.exc.Unsupported as e:
+            # torch >= 2.14 refuses a dual input to any compiled graph (nn.Linear's too)
+            # rather than drop its tangent; under fullgraph that refusal is an error.
+            if "dual tensor" not in str(e):
+                raise
+            pytest.skip(f"torch {torch.__version__} compiles no input that carries a tangent")
         got = fwad.unpack_dual(y).tangent
     assert got is not None, "the tangent was dropped"
     want = reference_loop(tangent.double(), w.double(), None)
