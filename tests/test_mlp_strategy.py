@@ -926,3 +926,49 @@ def test_one_input_per_head_runs_the_layers_and_says_why():
     plan = model.plan(torch.empty(256, 16))
     assert plan.layers[0].reason == blockdiag.dispatch.ONE_INPUT_RULE
     assert plan.strategy == "layers" and "one input per head" in plan.reason, str(plan)
+
+
+class _ShiftedLayer(GroupedLinear):
+    """A layer with a forward of its own (an adapter's), which only calling the layer runs."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def _with_own_forward(model, how):
+    if how == "subclass":
+        layer = _ShiftedLayer(model.layers[1].in_features, model.layers[1].out_features, model.heads,
+                              dtype=model.layers[1].weight.dtype)
+        layer.load_state_dict(model.layers[1].state_dict())
+        model.layers[1] = layer
+    else:  # a forward wrapped on the instance, as accelerate's add_hook_to_module does
+        plain = model.layers[1].forward
+        model.layers[1].forward = lambda h: plain(h) * 2
+    return model
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_with_a_forward_of_its_own_is_called(how, compiled, chain_spy, heads_spy):
+    # The chain and the heads compute the plain weight's product and never call the layer:
+    # auto runs the layers, and the forced strategies refuse, naming the layer.
+    model = _with_own_forward(_model(), how)
+    x = _x(model, 4)
+    want = x
+    for k, layer in enumerate(model.layers):
+        want = layer(want)
+        if k < len(model.activations):
+            want = model.activations[k](want)
+    if compiled:
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="eager")(x)
+    else:
+        assert model.plan(x).strategy == "layers"
+        assert "layers[1] runs" in model.plan(x).reason
+        got = model(x)
+    torch.testing.assert_close(got, want, **F64)
+    assert chain_spy == [] and heads_spy == []
+    for strategy in ("fm_chain", "heads"):
+        model.strategy = strategy
+        with pytest.raises(BlockDiagError, match=r"layers\[1\] runs .*never calls the layer"):
+            model(x)

@@ -782,6 +782,19 @@ def test_an_activation_instance_instead_of_a_factory_is_refused(arg):
         GroupedMLP(4, 3, 2, heads=2, **{arg: nn.Tanh()})
 
 
+
+@pytest.mark.parametrize("arg", ["activation", "output_activation"])
+@pytest.mark.parametrize("make, says", [
+    pytest.param("gelu", r"got 'gelu'", id="name"),
+    pytest.param(torch.nn.functional.gelu, r"calling gelu\(\) raised TypeError", id="function"),
+    pytest.param(lambda x: torch.tanh(x), r"calling <lambda>\(\) raised TypeError", id="lambda-of-the-input"),
+])
+def test_an_activation_that_is_not_a_factory_is_refused_by_name(arg, make, says):
+    # What torch.nn.TransformerEncoderLayer takes as its activation (a name, F.gelu) is
+    # not a factory; the error names the argument and the fix, not a TypeError inside torch.
+    with pytest.raises(BlockDiagError, match=rf"GroupedMLP: {arg} must be a factory that makes a module.*{says}"):
+        GroupedMLP(4, 3, 2, heads=2, **{arg: make})
+
 def test_a_stateless_activation_of_ones_own_is_accepted():
     class Sin(nn.Module):
         def forward(self, x):

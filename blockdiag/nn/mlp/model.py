@@ -9,6 +9,7 @@ from torch import nn
 from torch.autograd import forward_ad as _fwad
 
 from ..._checks import check, check_operand_kinds
+from ..._errors import BlockDiagError
 from ...backends import get
 from ...backends._registry import check_dtype
 from ...ops._define import _records, rows_pay
@@ -18,6 +19,26 @@ from . import heads as _heads
 from . import strategy as _strategy
 from .activations import _check_activation, _in_place, _random
 from .strategy import STRATEGIES, MLPPlan, StrategyChoice
+
+
+def _make_activation(fn: str, arg: str, make: object) -> object:
+    """``make()``, where ``make`` is the factory passed as ``arg``; what it returns is checked by the caller.
+
+    What torch.nn's own modules take as an activation elsewhere (a name such as ``"gelu"``, a
+    function such as ``F.gelu``, as ``nn.TransformerEncoderLayer`` takes) is not a factory:
+    calling it with no argument fails inside torch with a message that names neither the
+    argument nor the fix, so it is refused here by name.
+    """
+    hint = "a class such as nn.GELU, or a lambda such as lambda: nn.GELU(approximate='tanh')"
+    check(fn, callable(make), f"{arg} must be a factory that makes a module ({hint}), got {make!r}")
+    try:
+        return make()
+    except TypeError as e:
+        # A function of the hidden units (F.gelu, torch.tanh) needs its input: it is not a factory.
+        raise BlockDiagError(
+            f"{fn}: {arg} must be a factory that makes a module when called with no argument ({hint}); "
+            f"calling {getattr(make, '__name__', repr(make))}() raised TypeError: {e}"
+        ) from e
 
 
 class GroupedMLP(StrategyChoice, nn.Module):
@@ -45,7 +66,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
       input) or ``baddbmm``, each later one a ``baddbmm`` with the bias fused, and only the
       final output is transposed once into ``[batch, heads * out]``. It reads the layers'
       parameters directly and never calls the layers, so it refuses (``BlockDiagError``) a
-      model whose layers have hooks or parametrizations (pruning, ``weight_norm``), whose
+      model whose layers have hooks, parametrizations (pruning, ``weight_norm``) or a forward
+      of their own (a subclass's, or one set on the instance), whose
       activations have hooks (they would see the feature-major layout), whose parameters
       are not plain tensors (DTensor, FSDP2) or whose dtype or device differ from ``x``'s.
     - ``"heads"``: head by head, as ``torch.cat([head(x) for head in heads], -1)`` runs:
@@ -118,8 +140,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         dtype: factory kwarg, as for ``nn.Linear``.
 
     Raises:
-        BlockDiagError: non-positive sizes, an unknown backend or strategy, or an activation
-            that is not stateless and element-wise.
+        BlockDiagError: non-positive sizes, an unknown backend or strategy, an activation
+            argument that is not a factory (a name such as ``"gelu"``, a function such as
+            ``F.gelu``), or an activation that is not stateless and element-wise.
     """
 
     def __init__(
@@ -176,13 +199,13 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 f"{arg} must be a factory that makes a module (a class such as nn.Tanh, or a lambda), "
                 f"not a module instance ({make!r}): the model makes its own",
             )
-        acts = [activation() for _ in hidden]
+        acts = [_make_activation(fn, "activation", activation) for _ in hidden]
         for k, act in enumerate(acts):
             _check_activation(fn, act, f"activation() after hidden layer {k}")
         self.activations = nn.ModuleList(acts)
         out_act = None
         if output_activation is not None:
-            out_act = output_activation()
+            out_act = _make_activation(fn, "output_activation", output_activation)
             _check_activation(fn, out_act, "output_activation()")
         self.output_activation = out_act
         self.backend = backend

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ... import settings as _settings
 from ...dispatch import ONE_INPUT_RULE, UPCAST_RULE, Plan, half_upcast
 from ...ops.auto import route_token, traced_routes
-from ..linear import _compile_guard
+from ..linear import GroupedLinear, _compile_guard
 from .activations import _act_hooked, _hooked, _random
 
 # How GroupedMLP runs its layers (see the class docstring): "layers" calls each layer
@@ -182,6 +182,20 @@ EAGER_HEADS_RULE = (256 * 256, 16, 256)
 HEADS_MIN_HIDDEN_BYTES = (32 << 20, 64 * 64, 256)
 
 
+def _own_forward(layer: nn.Module) -> Optional[str]:
+    """Where calling ``layer`` runs a forward other than :class:`GroupedLinear`'s (None where it does not).
+
+    The chain and the heads read the layer's parameters and never call it, so a forward of
+    its own (a subclass's, or one set on the instance, as a wrapper library sets it) would
+    be skipped silently: the product of the plain weight would be computed instead.
+    """
+    if "forward" in layer.__dict__:
+        return "a forward set on the instance"
+    if type(layer).forward is not GroupedLinear.forward:
+        return f"{type(layer).__name__}'s own forward"
+    return None
+
+
 class StrategyChoice:
     """``GroupedMLP``'s choice of strategy (a mixin: the model's own state, read where it decides)."""
 
@@ -217,6 +231,9 @@ class StrategyChoice:
                     f"layers[{k}] has forward or backward hooks (torch.nn.utils.prune and the old "
                     f"weight_norm use them too), and {who} never calls the layer"
                 )
+            own = _own_forward(layer)
+            if own is not None:
+                return f"layers[{k}] runs {own}, and {who} never calls the layer"
             if "parametrizations" in layer._modules:
                 return f"layers[{k}] is parametrized (torch.nn.utils.parametrize), and {who} reads the raw parameters"
             if w is None:
@@ -293,6 +310,7 @@ class StrategyChoice:
         for layer in self._modules["layers"]._modules.values():
             if (
                 layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks
+                or "forward" in layer.__dict__ or type(layer).forward is not GroupedLinear.forward
                 or layer._backend != "auto" or "parametrizations" in layer._modules
             ):
                 return "layers"
@@ -416,7 +434,9 @@ class StrategyChoice:
         cannot read the table, whose answer depends on the batch: on a device type in
         ``CHAIN_WHEREVER_ALLOWED`` it runs the chain wherever it is allowed, elsewhere the
         layers, each planned as ``auto`` plans in a traced graph. Dynamo guards on what these
-        checks read (hooks, parameters, backends), so adding a hook recompiles.
+        checks read (parameters, backends), so changing those recompiles; not on hooks by
+        default (``torch._dynamo.config.skip_nnmodule_hook_guards``), as for any module: a hook
+        added to a layer after compiling is honoured after ``torch._dynamo.reset()``.
         """
         if x.numel() == 0 or torch._C._are_functorch_transforms_active() or _autocast_on():
             return False
