@@ -44,7 +44,21 @@ def _backward(gy, x, weight, has_bias, need_x, need_w):
     return gx, gw, gb
 
 
-dense = define(OpEntry("dense", _forward, _backward, traceable=True, traceable_backward=True))
+def _forward_copies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``B`` copies' products, one dense matrix per copy: ``x [B or 1, N, G*in]``, ``weight [B, G, out, in]``.
+
+    What a vmapped weight runs (the batching rule): folded into ``B*G`` groups, the copies
+    would share one ``[B*G*out, B*G*in]`` matrix, ``B`` times the memory of theirs.
+    """
+    nb, g, o, i = weight.shape
+    # As dense_from_blocks, per copy: W[k, g] at [k, :, :, g, g], then rows and columns by group.
+    dense_w = torch.diag_embed(weight.permute(0, 2, 3, 1)).permute(0, 3, 1, 4, 2).reshape(nb, g * o, g * i)
+    y = torch.matmul(x, dense_w.transpose(1, 2))
+    return y if bias is None else y + bias[:, None, :]
+
+
+dense = define(OpEntry("dense", _forward, _backward, traceable=True, traceable_backward=True,
+                       forward_copies=_forward_copies))
 
 
 BACKEND = register(

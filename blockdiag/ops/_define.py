@@ -191,6 +191,12 @@ class OpEntry:
             need_x, need_w)``) that run the kernels with no Python per call, for each dtype
             they are ready for now; a graph ``torch.compile`` traces at a static batch
             records them where ``auto`` chooses this backend (see ``blockdiag.ops.auto``).
+        forward_copies: ``forward_copies(x, weight, bias)``, the products of ``B`` copies of
+            the weight: ``x [B or 1, N, G*in]``, ``weight [B, G, out, in]``, ``bias
+            [B, G*out]`` or None, giving ``[B, N, G*out]``; the batching rule runs it for a
+            vmapped weight or bias where folding the copies into ``B*G`` groups of one product
+            costs more than ``B`` products (``dense``: one ``[B*G*out, B*G*in]`` matrix, ``B``
+            times the memory and FLOPs of the copies' matrices). None: the copies are groups.
         prepare_ops: ``prepare_ops(dtype, device_type)`` makes ``compiled_ops`` ready for
             ``dtype`` on that device type where they can be (what the backend's first eager
             call does), and never raises; called when a graph is traced, before it reads
@@ -210,6 +216,7 @@ class OpEntry:
     rows_input_grad: Optional[Callable] = None
     compiled_ops: Optional[Callable[[], dict]] = None
     prepare_ops: Optional[Callable[[torch.dtype, str], None]] = None
+    forward_copies: Optional[Callable] = None
 
     @property
     def inlinable(self) -> bool:
@@ -444,8 +451,12 @@ def _differentiable_backward(name: str, ctx, gy, x, weight):
     from ..backends import get
 
     # Only a true double backward needs the declaration: torch.func and batched gradients
-    # differentiate the first-order formula once, which every backend's values support.
-    if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active() and not get(name).double_grad:
+    # differentiate the first-order formula once, which every backend's values support. A
+    # product recorded under a torch.func transform is differentiated by torch.func, whose
+    # vjp pullback (and jacrev with chunk_size=1, which calls it) runs after its transform
+    # has exited, with create_graph=True wherever grad mode is on: a first-order request.
+    if (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+            and not getattr(ctx, "func_transform", False) and not get(name).double_grad):
         from ..backends._registry import double_grad_hint
 
         raise BlockDiagError(
@@ -585,7 +596,10 @@ def _functions(entry: OpEntry) -> None:
         def forward(x, weight, bias):
             return entry.fwd_op(x, weight, bias)
 
-        setup_context = staticmethod(_setup)
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            _setup(ctx, inputs, output)
+            ctx.func_transform = True  # see _differentiable_backward
 
         @staticmethod
         def backward(ctx, gy):
@@ -624,8 +638,11 @@ def _named(cls: type, name: str) -> type:
     return type(name, (torch.autograd.Function,), {k: v for k, v in vars(cls).items() if k in keep})
 
 
-def _vmap_rule(op):
-    """Batching rule: vmapped weights become more groups of one product; a vmapped input more rows."""
+def _vmap_rule(op, entry: Optional[OpEntry] = None):
+    """Batching rule: vmapped weights become more groups of one product; a vmapped input more rows.
+
+    A backend with ``forward_copies`` runs the copies of a vmapped weight through it instead.
+    """
 
     def rule(info, in_dims, x, weight, bias):
         xd, wd, bd = in_dims
@@ -634,6 +651,13 @@ def _vmap_rule(op):
             x = x.movedim(xd, 0)
             y = op(x.reshape(nb * x.shape[1], x.shape[2]), weight, bias)
             return y.reshape(nb, x.shape[1], y.shape[-1]), 0
+        if entry is not None and entry.forward_copies is not None:
+            # The op's checks, on one copy's operands (views: nothing is copied).
+            check_operands(entry.name, *(t if d is None else t.select(d, 0)
+                                         for t, d in ((x, xd), (weight, wd), (bias, bd))))
+            w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+            b = None if bias is None else (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape))
+            return entry.forward_copies(x.movedim(xd, 0) if xd is not None else x[None], w, b), 0
         w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
         g = w.shape[1]
         wf = w.reshape(nb * g, w.shape[2], w.shape[3])
@@ -690,7 +714,7 @@ def define(entry: OpEntry) -> OpEntry:
         return entry.fwd_op.redispatch(keyset & torch._C._after_autograd_keyset, x, weight, bias)
 
     LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
-    torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.fwd_op), lib=LIB)
+    torch.library.register_vmap(f"blockdiag::{name}", _vmap_rule(entry.fwd_op, entry), lib=LIB)
     register_autocast(name, entry.fwd_op)
     _register_flops(entry.fwd_op, entry.bwd_op)
     _ENTRIES[name] = entry
