@@ -187,13 +187,16 @@ def test_to_blocks_names_first_offdiagonal_nonzero(kind):
         (lambda: block_diag_coo([torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)]), r"float64.*float32|float32.*float64"),
         (lambda: block_diag_dense(torch.zeros(2, 3, 3, dtype=torch.int64)), r"int64"),
         (lambda: block_diag_dense([]), r"empty"),
+        (lambda: block_diag_dense(torch.zeros(0, 2, 2)), r"blocks must have G, rows, cols >= 1, got shape \(0, 2, 2\)"),
+        (lambda: block_diag_csr(torch.zeros(2, 0, 3)), r"blocks must have G, rows, cols >= 1, got shape \(2, 0, 3\)"),
+        (lambda: block_diag_bsr(torch.zeros(2, 3, 0)), r"blocks must have G, rows, cols >= 1, got shape \(2, 3, 0\)"),
         (lambda: block_diag_mask(0, (2, 2)), r"groups must be a positive int, got 0"),
         (lambda: block_diag_mask(2, (2,)), r"block_shape must be two positive ints"),
         (lambda: from_scipy(sp.eye(4, format="csr"), 2, layout="csc"), r"layout='csc' is not one of"),
         (lambda: to_scipy(torch.zeros(2, 2, 2)), r"2-D, got shape \(2, 2, 2\)"),
     ],
     ids=["groups-not-dividing", "1d-matrix", "not-a-matrix", "2d-blocks", "unequal-blocks",
-         "mixed-dtype", "int-blocks", "empty-blocks", "mask-groups", "mask-shape", "bad-layout", "3d-to-scipy"],
+         "mixed-dtype", "int-blocks", "empty-blocks", "no-groups", "no-rows", "no-cols", "mask-groups", "mask-shape", "bad-layout", "3d-to-scipy"],
 )
 def test_bad_input(call, match):
     with pytest.raises(BlockDiagError, match=match):

@@ -115,6 +115,7 @@ def test_remove_restores_plain_parameter():
     "module, groups, match",
     [
         (nn.Linear(6, 4), 4, r"groups=4 must divide"),
+        (nn.Linear(4, 6), 4, r"groups=4 must divide in_features=4 and out_features=6"),
         (nn.Conv1d(2, 2, 1), 1, r"weight must be 2-D, got shape \(2, 2, 1\)"),
         (nn.ReLU(), 1, r"has no weight tensor"),
         (mask_block_diagonal_(nn.Linear(4, 4), 2), 2, r"already masked"),
@@ -122,7 +123,7 @@ def test_remove_restores_plain_parameter():
          r"already parametrized \(_SpectralNorm\): mask it first"),
         (nn.LazyLinear(4), 2, r"not initialised yet \(LazyLinear is lazy\)"),
     ],
-    ids=["not-dividing", "3d-weight", "no-weight", "twice", "other-parametrization", "lazy"],
+    ids=["not-dividing", "not-dividing-out", "3d-weight", "no-weight", "twice", "other-parametrization", "lazy"],
 )
 def test_bad_input(module, groups, match):
     with pytest.raises(BlockDiagError, match=match):
@@ -573,3 +574,24 @@ def test_lbfgs_and_ema_keep_offdiagonal_zero():
     for w in (lin.weight, lin.parametrizations.weight.original, ema.module.weight, ema.module.state_dict()["weight"]):
         assert bool((w[off] == 0.0).all())
     assert bool((lin.weight[~off] != 0.0).any())
+
+
+def test_a_mask_first_built_under_fake_tensor_mode_is_not_kept():
+    # Meta-device init, then a FakeTensorMode pass (a memory estimate) before the real
+    # initialisation: the mask built under the mode is a FakeTensor and must not be cached,
+    # or every later real forward computes on it and returns FakeTensors, not values.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        lin = nn.Linear(6, 4)
+    mask_block_diagonal_(lin, groups=2)
+    lin.to_empty(device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        lin(mode.from_tensor(torch.randn(3, 6)))
+    lin.reset_parameters()
+    x = torch.randn(3, 6)
+    y = lin(x)
+    w = lin.weight
+    assert type(y) is torch.Tensor and type(w) is torch.Tensor
+    assert torch.equal(w, w * block_diag_mask(2, (2, 3)))
+    torch.testing.assert_close(y, x @ w.T + lin.bias)

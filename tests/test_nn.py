@@ -128,11 +128,13 @@ def test_fixed_backend_that_declines_raises():
     "args, match",
     [
         ((10, 8, 4), r"groups=4 must divide in_features=10 and out_features=8"),
+        # Dividing in_features alone: out_features // groups rows per block made fewer outputs.
+        ((8, 10, 4), r"groups=4 must divide in_features=8 and out_features=10"),
         ((12, 8, 0), r"groups must be a positive int, got 0"),
         ((12, 8, 2.0), r"groups must be a positive int, got 2.0"),
         ((0, 8, 2), r"in_features and out_features must be positive"),
     ],
-    ids=["not-dividing", "zero-groups", "float-groups", "zero-features"],
+    ids=["not-dividing", "not-dividing-out", "zero-groups", "float-groups", "zero-features"],
 )
 def test_grouped_linear_bad_construction(args, match):
     with pytest.raises(BlockDiagError, match=match):

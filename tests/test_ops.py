@@ -655,6 +655,11 @@ BAD_FORWARD = [
     ("bias-float64", lambda x, w, b: (x, w, b.double()), r"bias has dtype torch\.float64 but input has dtype torch\.float32"),
     ("weight-float64", lambda x, w, b: (x, w.double(), b), r"weight has dtype torch\.float64 but input"),
     ("weight-2d", lambda x, w, b: (x, w[0], b), r"weight must be \[groups, block_out, block_in\], got shape \(3, 3\)"),
+    # The kernels index the input by the weight's shape: a wider input was read in part.
+    ("input-wide", lambda x, w, b: (torch.randn(4, 7), w, b), r"input must be \[N, 6\] for weight \(2, 3, 3\), got \(4, 7\)"),
+    ("input-narrow", lambda x, w, b: (x[:, :5], w, b), r"input must be \[N, 6\] for weight \(2, 3, 3\), got \(4, 5\)"),
+    ("weight-no-groups", lambda x, w, b: (x[:, :0], w[:0], b[:0]),
+     r"weight must hold at least one group, got shape \(0, 3, 3\) \(groups=0\)"),
 ]
 # (id, backward operands (grad, x, weight) from the good ones, pattern)
 BAD_BACKWARD = [
@@ -664,6 +669,9 @@ BAD_BACKWARD = [
     ("grad-narrow", lambda gy, x, w: (gy[:, :5], x, w), r"grad must be \[N, 6\].*got \(4, 5\)"),
     ("grad-float64", lambda gy, x, w: (gy.double(), x, w), r"grad has dtype torch\.float64 but input has dtype torch\.float32"),
     ("input-narrow", lambda gy, x, w: (gy, x[:, :5], w), r"input must be \[N, 6\] for weight \(2, 3, 3\), got \(4, 5\)"),
+    # Grad and input agree, the weight does not: the kernels (simd's, mkl_batch's) read the
+    # weight's memory as the input's dtype.
+    ("weight-float64", lambda gy, x, w: (gy, x, w.double()), r"weight has dtype torch\.float64 but input has dtype torch\.float32"),
 ]
 
 

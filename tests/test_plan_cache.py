@@ -406,3 +406,40 @@ def test_threads_whose_counts_differ_do_not_move_the_epoch_when_switching():
         assert mine[0] != out["epochs"][0]  # each thread's plans are its own count's
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("operand", ["input", "weight", "bias", "input-no-bias", "weight-no-bias"])
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+def test_an_operand_of_another_dtype_after_a_cached_call_is_still_refused(backend, operand):
+    # The layers' per-call memo (nn.linear._select) skips the operand checks on a hit, so its
+    # key (one tuple with a bias, one without) must hold every operand's dtype: a key without
+    # one let a float64 operand of a cached shape skip them and reach a kernel, which
+    # refused it in its own words (torch's matmul's, for loop).
+    x, w = torch.randn(3, 4), torch.randn(2, 3, 2)
+    b = None if operand.endswith("no-bias") else torch.randn(6)
+    blockdiag.grouped_linear(x, w, b, backend=backend)  # remembered
+    bad, pattern = {
+        "input": ((x.double(), w, b), r"weight has dtype torch\.float32 but input has dtype torch\.float64"),
+        "weight": ((x, w.double(), b), r"weight has dtype torch\.float64 but input has dtype torch\.float32"),
+        "bias": ((x, w, b), r"bias has dtype torch\.float64 but input has dtype torch\.float32"),
+    }[operand.replace("-no-bias", "")]
+    if operand == "bias":
+        bad = (x, w, b.double())
+    with pytest.raises(BlockDiagError, match=pattern):
+        blockdiag.grouped_linear(*bad, backend=backend)
+
+
+def test_a_change_of_this_threads_count_moves_the_generation(recheck_every):
+    # Graphs compiled with a plan inlined are guarded on the generation (nn.linear's
+    # _compile_guard), not on the epoch's thread count: a change of the calling thread's own
+    # count must bump it, or such a graph keeps the plan of the old count.
+    threads = torch.get_num_threads()
+    recheck_every(3600.0)
+    epoch()
+    before = st.generation
+    try:
+        torch.set_num_threads(threads + 1)
+        epoch()
+        assert st.generation != before
+    finally:
+        torch.set_num_threads(threads)

@@ -50,6 +50,7 @@ def _bad_files(tmp_path):
         "empty": ("", "corrupt"),
         "wrong-format": (json.dumps({"format": "something", "version": 1}), "not a blockdiag-profile"),
         "wrong-version": (json.dumps({"format": profile.FORMAT, "version": 99, "entries": {}}), "version 99"),
+        "no-version": (json.dumps({"format": profile.FORMAT, "entries": {"k": entry([point(loop=1.0)])}}), "version None"),
         "bad-measurement": (
             json.dumps({"format": profile.FORMAT, "version": 1,
                         "entries": {"k": entry([point(loop=-1.0)])}}),
@@ -64,7 +65,8 @@ def _bad_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind", ["corrupt", "half-written", "empty", "wrong-format", "wrong-version", "bad-measurement", "bad-setting"]
+    "kind", ["corrupt", "half-written", "empty", "wrong-format", "wrong-version", "no-version", "bad-measurement",
+             "bad-setting"]
 )
 def test_unusable_file_warns_once_and_uses_defaults(tmp_path, monkeypatch, kind):
     text, msg = _bad_files(tmp_path)[kind]
@@ -284,6 +286,20 @@ def test_written_files_are_not_private(tmp_path):
     path.chmod(0o664)
     profile.write_json_atomic(path, {"a": 2})
     assert path.stat().st_mode & 0o777 == 0o664 and json.loads(path.read_text()) == {"a": 2}
+
+
+def test_a_rewrite_replaces_the_file_rather_than_writing_into_it(tmp_path):
+    # Readers must see the old file or the new one, never a half-written one, and
+    # changed_on_disk tells a rewrite within the timestamp granularity apart by its new
+    # inode: so the new content goes to a new file renamed over the old, whose own content
+    # (seen here through a second link to it) stays as it was.
+    path = tmp_path / "r.json"
+    profile.write_json_atomic(path, {"a": 1})
+    old = tmp_path / "old.json"
+    os.link(path, old)
+    profile.write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2} and json.loads(old.read_text()) == {"a": 1}
+    assert path.stat().st_ino != old.stat().st_ino
 
 
 def test_the_cpu_entry_follows_the_thread_count(tmp_path, monkeypatch):

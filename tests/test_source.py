@@ -1,6 +1,7 @@
 """The source itself: what a reviewer would otherwise have to catch by eye."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,24 @@ def test_scripts_write_their_json_reports_atomically():
                     and node.func.attr == "dump" and getattr(node.func.value, "id", None) == "json"):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} json.dump()")
     assert not found, found
+
+
+def test_every_file_the_native_builds_include_names_their_cached_library():
+    # The compiled kernels are cached under a name hashing their sources: a file the build
+    # includes but the name does not hash (a header edited by an upgrade) would leave the
+    # old library loaded, its kernels no longer the source's.
+    from blockdiag.backends import _simd_ops, simd
+
+    here = ROOT / "blockdiag" / "backends"
+
+    def includes(name, seen):
+        for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (here / name).read_text(), re.M):
+            if inc not in seen:
+                seen.add(inc)
+                includes(inc, seen)
+        return seen
+
+    assert includes("_simd.c", set()) <= set(simd._SOURCES)
+    assert "_simd.c" in simd._SOURCES
+    # The C++ ops' name hashes their one source file only.
+    assert includes(_simd_ops._SOURCE, set()) == set()
