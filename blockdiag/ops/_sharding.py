@@ -38,6 +38,7 @@ first call that sees a tensor subclass while that module is loaded (:func:`ensur
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from math import prod
@@ -130,6 +131,12 @@ def _register_strategies() -> bool:
         propagator.register_op_strategy  # noqa: B018 - present?
     except (ImportError, AttributeError):
         return False
+    # The filter's keyword is torch's internal name: is_valid_strategy_cb up to 2.13,
+    # full_mesh_strategy_filter from 2.14. Neither: the public rules (no filter) instead.
+    params = inspect.signature(expand_to_full_mesh_op_strategy).parameters
+    keyword = next((k for k in ("full_mesh_strategy_filter", "is_valid_strategy_cb") if k in params), None)
+    if keyword is None:
+        return False
 
     def spec_of(arg):
         return arg.strategies[0].output_spec if isinstance(arg, OpStrategy) else None
@@ -141,8 +148,7 @@ def _register_strategies() -> bool:
         groups = w.tensor_meta.shape[0]
         strategies = _forward_strategies(groups, spec_of(args[2]) is not None, len(args) - 3)
         return expand_to_full_mesh_op_strategy(
-            op_schema.get_mesh_from_args(), op_schema, strategies, input_index=1,
-            is_valid_strategy_cb=_valid(groups, 1),
+            op_schema.get_mesh_from_args(), op_schema, strategies, input_index=1, **{keyword: _valid(groups, 1)},
         )
 
     def backward(op_schema):
@@ -151,7 +157,7 @@ def _register_strategies() -> bool:
         groups = w.tensor_meta.shape[0]
         return expand_to_full_mesh_op_strategy(
             op_schema.get_mesh_from_args(), op_schema, _backward_strategies(groups), input_index=3,
-            is_valid_strategy_cb=_valid(groups, 2),
+            **{keyword: _valid(groups, 2)},
         )
 
     # Every argument from the first flag on (auto's ``train``; the backward's ``has_bias``,
