@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -205,3 +206,113 @@ def test_auto_and_list_backends_survive_another_thread_registering_and_removing(
     st.bump_epoch()
     assert not errors, errors[:3]
     assert planned[0] > 0
+
+
+@pytest.mark.parametrize("dtypes", [frozenset({torch.float32}), {"cpu": {"float32"}}, {"cpu": torch.float32},
+                                    {torch.device("cpu"): frozenset({torch.float32})}, ["cpu"]])
+def test_a_malformed_dtypes_declaration_is_refused_at_registration(dtypes):
+    # A flat set of dtypes once registered fine and then made every backend="auto" call of the
+    # process raise "TypeError: sequence item 0: expected str instance"; dtype names as strings
+    # kept the backend from ever running ("does not support float32 (supports float32)").
+    with pytest.raises(BlockDiagError, match=r"backend 'test_bad_dtypes': dtypes"):
+        blockdiag.register_backend(Backend("test_bad_dtypes", _einsum, dtypes=dtypes))
+    assert "test_bad_dtypes" not in blockdiag.backends.names()
+    assert blockdiag.grouped_linear(torch.randn(2, 8), torch.randn(2, 4, 4)).shape == (2, 8)
+
+
+def _raises(*_):
+    raise ValueError("oops")
+
+
+@pytest.mark.parametrize("hook, match", [
+    ({"constraint": _raises}, r"backend 'test_hook': its constraint raised ValueError: oops for batch=2 groups=2"),
+    ({"probe": _raises}, r"backend 'test_hook': its probe raised ValueError: oops"),
+    ({"constraint": lambda p: False}, r"backend 'test_hook': its constraint must return a reason string or None, got False"),
+])
+def test_a_backend_hook_that_raises_or_answers_a_bool_is_named(hook, match):
+    # Such a hook surfaced in every backend="auto" call as a bare ValueError naming no backend
+    # (a probe's in list_backends() too); a constraint answering False ("no objection") kept
+    # the backend out of auto and refused it by name with the reason "False".
+    blockdiag.register_backend(Backend("test_hook", _einsum, dtypes=F32, **hook))
+    try:
+        x, w = torch.randn(2, 8), torch.randn(2, 4, 4)
+        for backend in ("auto", "test_hook"):
+            with pytest.raises(BlockDiagError, match=match):
+                blockdiag.grouped_linear(x, w, backend=backend)
+    finally:
+        blockdiag.unregister_backend("test_hook")
+
+
+def _drops_a_column(x, weight, bias):
+    return _einsum(x, weight, bias)[:, :-1]
+
+
+def _to_float64(x, weight, bias):
+    return _einsum(x, weight, bias).double()
+
+
+def _detached(x, weight, bias):
+    with torch.no_grad():
+        return _einsum(x, weight, bias)
+
+
+@pytest.mark.parametrize("fn, grad, match", [
+    (_drops_a_column, False, r"fn returned a tensor of shape \(4, 7\), torch.float32, on cpu; it must return y of shape \(4, 8\)"),
+    (_to_float64, False, r"fn returned a tensor of shape \(4, 8\), torch.float64, on cpu; .*torch.float32"),
+    (_detached, True, r"does not lead back to its operands"),
+])
+@pytest.mark.parametrize("how", ["eager", "eager_3d", "compiled"])
+def test_a_registered_function_returning_a_wrong_result_is_named(fn, grad, match, how):
+    # Its result went straight to the caller: a [4, 7] or float64 y from a float32 layer, or
+    # (detached) parameters that silently got no gradient.
+    if how == "compiled" and grad:
+        pytest.skip("the graph differentiates the traced function itself")
+    blockdiag.register_backend(Backend("test_wrong", fn, dtypes=F32))
+    try:
+        x, w = torch.randn(4, 8, requires_grad=grad), torch.randn(2, 4, 4)
+        call = functools.partial(blockdiag.grouped_linear, backend="test_wrong")
+        if how == "eager_3d":
+            x = x.detach().reshape(2, 2, 8).requires_grad_(grad)
+        if how == "compiled":
+            torch._dynamo.reset()
+            call = torch.compile(call, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match=match) as info:
+            call(x, w)
+        assert "backend 'test_wrong'" in str(info.value)
+    finally:
+        blockdiag.unregister_backend("test_wrong")
+
+
+def test_the_auto_op_checks_a_registered_function_it_chose(monkeypatch):
+    # Inside a traced graph auto is the blockdiag::auto op, whose fake kernel promises a
+    # float32 [N, G*out]: a registered function's float64 result left the op as it was.
+    import blockdiag.ops.auto as auto_op
+
+    blockdiag.register_backend(Backend("test_wrong", _to_float64, dtypes=F32))
+    try:
+        monkeypatch.setattr(auto_op, "choice", lambda *a, **k: "test_wrong")
+        with pytest.raises(BlockDiagError, match=r"backend 'test_wrong': fn returned .*torch.float64"):
+            torch.ops.blockdiag.auto(torch.randn(4, 8), torch.randn(2, 4, 4), None, False)
+    finally:
+        blockdiag.unregister_backend("test_wrong")
+
+
+@pytest.mark.parametrize("how", ["eager", "auto_op"])
+def test_a_registered_function_returning_an_alias_of_an_operand_is_named(monkeypatch, how):
+    # Inside a graph auto is the blockdiag::auto op, whose schema promises a new tensor: an
+    # identity-like function's x came out as it was, and an in-place op on the result then
+    # changed x in eager and not under torch.compile(backend="aot_eager").
+    import blockdiag.ops.auto as auto_op
+
+    blockdiag.register_backend(Backend("test_alias", lambda x, weight, bias: x, dtypes=F32))
+    try:
+        x, w = torch.randn(4, 8), torch.eye(4).expand(2, 4, 4).contiguous()
+        with pytest.raises(BlockDiagError, match=r"backend 'test_alias': fn returned a tensor sharing memory "
+                                                 r"with its input .* return a new tensor, e.g. input.clone\(\)"):
+            if how == "eager":
+                blockdiag.grouped_linear(x, w, backend="test_alias")
+            else:
+                monkeypatch.setattr(auto_op, "choice", lambda *a, **k: "test_alias")
+                torch.ops.blockdiag.auto(x, w, None, False)
+    finally:
+        blockdiag.unregister_backend("test_alias")

@@ -162,8 +162,26 @@ class Backend:
         if self.requires and importlib.util.find_spec(self.requires) is None:
             return f"{self.requires.replace('_', '-')} is not installed"
         if self.probe is not None:
-            return self.probe()
+            return self._hook("probe", self.probe)
         return None
+
+    def _hook(self, what: str, hook: Callable, *args) -> Optional[str]:
+        """``hook(*args)``, a declared ``probe`` or ``constraint``: a reason string or None.
+
+        Every plan asks every registered backend, so a hook that raises (or answers ``False``
+        for "no objection") would otherwise surface in every ``auto`` call of the process as
+        an error that names no backend, or silently keep this backend from running.
+        """
+        try:
+            why = hook(*args)
+        except Exception as e:
+            at = f" for {args[0].describe()}" if args else ""
+            raise BlockDiagError(f"backend {self.name!r}: its {what} raised {type(e).__name__}: {e}{at}") from e
+        if why is not None and not isinstance(why, str):
+            raise BlockDiagError(
+                f"backend {self.name!r}: its {what} must return a reason string or None, got {why!r}"
+            )
+        return why or None
 
     def decline_reason(self, p: Problem) -> Optional[str]:
         """Why this backend cannot run ``p``, or None when it can."""
@@ -179,7 +197,7 @@ class Backend:
         if p.requires_grad and not self.grad:
             return "has no backward"
         if self.constraint is not None:
-            return self.constraint(p)
+            return self._hook("constraint", self.constraint, p)
         return None
 
 
@@ -264,6 +282,26 @@ def _check_same_forward(fn_name: str, backend: Backend) -> None:
         )
 
 
+def _check_dtypes(fn_name: str, backend: Backend) -> None:
+    """Refuse a ``dtypes`` declaration that is not ``{device type: set of torch.dtype}``.
+
+    The chooser reads it for every backend on every plan: a malformed one (a flat set of
+    dtypes, ``torch.device`` keys, dtype names as strings) would fail there, inside every
+    ``auto`` call of the process, or silently keep the backend from ever matching.
+    """
+    d = backend.dtypes
+    where = f"{fn_name}: backend {backend.name!r}: dtypes"
+    shape = "a mapping {device type: set of torch.dtype}, e.g. {'cpu': frozenset({torch.float32})}"
+    if not isinstance(d, Mapping):
+        raise BlockDiagError(f"{where} must be {shape}, got {d!r}")
+    for dev, ds in d.items():
+        if not isinstance(dev, str) or not dev or ":" in dev:
+            raise BlockDiagError(f"{where}: keys must be device types such as 'cpu' or 'cuda', got {dev!r}")
+        if isinstance(ds, (str, torch.dtype)) or not isinstance(ds, (set, frozenset, tuple, list)) \
+                or not all(isinstance(t, torch.dtype) for t in ds):
+            raise BlockDiagError(f"{where}[{dev!r}] must be a set of torch.dtype, got {ds!r}")
+
+
 def register(backend: Backend) -> Backend:
     """Add a backend; a duplicate name raises :class:`BlockDiagError` (see :func:`replace`)."""
     if backend.name == "auto":
@@ -271,6 +309,7 @@ def register(backend: Backend) -> Backend:
     if backend.name in _REGISTRY:
         raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
     _check_same_forward("register", backend)
+    _check_dtypes("register", backend)
     _REGISTRY[backend.name] = backend
     return backend
 
@@ -290,6 +329,7 @@ def replace(backend: Backend) -> Backend:
     """
     old = get(backend.name, "replace", auto_valid=False)
     _check_same_forward("replace", backend)
+    _check_dtypes("replace", backend)
     _REGISTRY[backend.name] = backend
     return old
 
@@ -309,6 +349,58 @@ def unregister(name: str) -> Backend:
         )
     del _REGISTRY[name]
     return old
+
+
+def check_new_tensor(name: str, y, *operands):
+    """``y``, what backend ``name``'s plain function returned, refused if it shares an operand's memory.
+
+    ``nn.Linear`` and every built-in backend return a new tensor, and the ops that run a
+    registered function inside graphs (``blockdiag::auto``) declare one, so AOTAutograd and
+    inductor plan on it: an in-place op on a result that is ``x`` itself (an identity-like
+    block) or a view of the weight would reach the operand in one run and not in another.
+    Eager calls check it too, so the function fails where it was written, not once compiled.
+    """
+    if isinstance(y, torch.Tensor) and y.numel():
+        ptr = y.untyped_storage().data_ptr()
+        for label, t in zip(("input", "weight", "bias"), operands):
+            if t is not None and t.numel() and t.untyped_storage().data_ptr() == ptr:
+                raise BlockDiagError(
+                    f"backend {name!r}: fn returned a tensor sharing memory with its {label} (the "
+                    f"{label} itself or a view of it); return a new tensor, e.g. {label}.clone()"
+                )
+    return y
+
+
+def check_result(name: str, y, x: torch.Tensor, weight: torch.Tensor, bias, grad: bool = False,
+                 alias: bool = True):
+    """``y``, what backend ``name``'s plain function returned for 2-D ``x``, once checked.
+
+    A built-in backend's kernels are tested; a registered function is the user's, and what
+    it returns goes straight to the caller (or, inside a graph, out of an op whose fake
+    kernel promised ``[N, G*out]`` of the input's dtype). A wrong shape, dtype or device
+    would surface later, far from the backend, or not at all. ``grad``: autograd records
+    the product, so ``y`` must lead back to the operands; one detached from them (made under
+    ``no_grad``, a reused buffer, ``.detach()``) would silently leave them without gradients.
+    ``alias``: refuse a result sharing an operand's memory (:func:`check_new_tensor`); only
+    where the tensors have storage (not while tracing, where the function is ordinary torch
+    code whose aliasing torch follows).
+    """
+    g, o, _ = weight.shape
+    want = (x.shape[0], g * o)
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != x.dtype or y.device != x.device:
+        got = (f"a tensor of shape {tuple(y.shape)}, {y.dtype}, on {y.device}" if isinstance(y, torch.Tensor)
+               else f"a {type(y).__name__}")
+        raise BlockDiagError(
+            f"backend {name!r}: fn returned {got}; it must return y of shape {want} ([N, G*out]), "
+            f"{x.dtype}, on {x.device} (the input's dtype and device)"
+        )
+    if grad and y.grad_fn is None and not any(y is t for t in (x, weight, bias)):
+        raise BlockDiagError(
+            f"backend {name!r}: fn returned a tensor that does not lead back to its operands (no grad_fn: "
+            "detached, made under torch.no_grad, or written into a buffer), so they would get no gradient; "
+            "write fn in differentiable torch operations, or declare grad=False"
+        )
+    return check_new_tensor(name, y, x, weight, bias) if alias else y
 
 
 def names() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
 from ..backends import Problem, get
-from ..backends._registry import check_dtype
+from ..backends._registry import check_dtype, check_result
 from .. import settings as _settings
 from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
@@ -430,6 +430,8 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     fn = get(name).fn
     if type(fn) is OpEntry:
         fn = fn.eager
+    else:
+        fn = functools.partial(_run_registered, name, fn)
     if x.dim() == 2:
         return fn(x, weight, bias)
     g, o, i = weight.shape
@@ -437,6 +439,14 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     # The row count, not -1: reshape cannot infer it when a block has no columns.
     y = fn(x.reshape(lead.numel(), g * i), weight, bias)
     return y.reshape(*lead, g * o)
+
+
+def _run_registered(name: str, fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A registered plain function (no op of ours around it), its result checked."""
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return check_result(name, fn(x, weight, bias), x, weight, bias, grad)
 
 
 def _compile_guard(generation: int, config_key: int) -> None:
@@ -524,7 +534,10 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
             y = _auto_op(x2, weight, bias, train)
     else:
         entry = get(backend, fn).fn
-        y = entry.call_op(x2, weight, bias) if isinstance(entry, OpEntry) else entry(x2, weight, bias)
+        if isinstance(entry, OpEntry):
+            y = entry.call_op(x2, weight, bias)
+        else:
+            y = check_result(backend, entry(x2, weight, bias), x2, weight, bias, alias=False)
     if x.dim() == 2:
         return y
     if empty_dtensor and _sharding.is_dtensor(y):

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import settings as _settings
 from ..backends import Problem, get
+from ..backends._registry import check_result
 from ._define import (
     _ENTRIES,
     _PLAIN,
@@ -117,7 +118,7 @@ def _forward_kernel(name, x, weight, bias):
     entry = _ENTRIES.get(name)
     if entry is None:  # a backend registered without ops: its function, without autograd
         with torch.no_grad():
-            return get(name).fn(x, weight, bias)
+            return check_result(name, get(name).fn(x, weight, bias), x, weight, bias)
     entry._guard(("input", x), ("weight", weight), ("bias", bias))
     entry.run_check(x, weight, bias)
     if entry.rows is not None and rows_pay(weight.shape[1], x.dtype):
