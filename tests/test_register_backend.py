@@ -257,8 +257,8 @@ def _detached(x, weight, bias):
 
 
 @pytest.mark.parametrize("fn, grad, match", [
-    (_drops_a_column, False, r"fn returned a tensor of shape \(4, 7\), torch.float32, on cpu; it must return y of shape \(4, 8\)"),
-    (_to_float64, False, r"fn returned a tensor of shape \(4, 8\), torch.float64, on cpu; .*torch.float32"),
+    (_drops_a_column, False, r"fn returned a strided tensor of shape \(4, 7\), torch.float32, on cpu; it must return a strided y of shape \(4, 8\)"),
+    (_to_float64, False, r"fn returned a strided tensor of shape \(4, 8\), torch.float64, on cpu; .*torch.float32"),
     (_detached, True, r"does not lead back to its operands"),
 ])
 @pytest.mark.parametrize("how", ["eager", "eager_3d", "compiled"])
@@ -316,3 +316,15 @@ def test_a_registered_function_returning_an_alias_of_an_operand_is_named(monkeyp
                 torch.ops.blockdiag.auto(x, w, None, False)
     finally:
         blockdiag.unregister_backend("test_alias")
+
+
+def test_a_registered_function_returning_a_sparse_result_is_named():
+    # A sparse y passed the shape, dtype and device checks and failed later, in the caller's
+    # next operation or in the alias check's storage read.
+    blockdiag.register_backend(Backend("test_sparse_y", lambda x, w, b: _einsum(x, w, b).to_sparse(), dtypes=F32))
+    try:
+        with pytest.raises(BlockDiagError, match=r"backend 'test_sparse_y': fn returned a sparse_coo tensor of shape "
+                                                  r"\(4, 8\).*must return a strided y"):
+            blockdiag.grouped_linear(torch.randn(4, 8), torch.randn(2, 4, 4), backend="test_sparse_y")
+    finally:
+        blockdiag.unregister_backend("test_sparse_y")

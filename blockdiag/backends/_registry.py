@@ -387,11 +387,12 @@ def check_result(name: str, y, x: torch.Tensor, weight: torch.Tensor, bias, grad
     """
     g, o, _ = weight.shape
     want = (x.shape[0], g * o)
-    if not isinstance(y, torch.Tensor) or tuple(y.shape) != want or y.dtype != x.dtype or y.device != x.device:
-        got = (f"a tensor of shape {tuple(y.shape)}, {y.dtype}, on {y.device}" if isinstance(y, torch.Tensor)
-               else f"a {type(y).__name__}")
+    if (not isinstance(y, torch.Tensor) or y.layout != torch.strided or tuple(y.shape) != want or y.dtype != x.dtype
+            or y.device != x.device):
+        got = (f"a {str(y.layout).removeprefix('torch.')} tensor of shape {tuple(y.shape)}, {y.dtype}, on {y.device}"
+               if isinstance(y, torch.Tensor) else f"a {type(y).__name__}")
         raise BlockDiagError(
-            f"backend {name!r}: fn returned {got}; it must return y of shape {want} ([N, G*out]), "
+            f"backend {name!r}: fn returned {got}; it must return a strided y of shape {want} ([N, G*out]), "
             f"{x.dtype}, on {x.device} (the input's dtype and device)"
         )
     if grad and y.grad_fn is None and not any(y is t for t in (x, weight, bias)):
