@@ -30,6 +30,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <type_traits>
+
 #if !defined(BD_BLAS_GRADS_MIN_BLOCK) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_BLOCK) ||        \
     !defined(BD_BLAS_WEIGHT_GRAD_MAX_ROWS) || !defined(BD_BLAS_WEIGHT_GRAD_MIN_GROUPS) ||   \
     !defined(BD_BLAS_WEIGHT_GRAD_MANY_GROUPS) || !defined(BD_BLAS_WEIGHT_GRAD_MANY_MAX_ROWS) || \
@@ -227,13 +230,24 @@ bool refuse_tangents_and_record(const char* op, std::initializer_list<const at::
   return record;
 }
 
+// An autograd node held as torch's headers hold one: c10::intrusive_ptr from torch 2.13,
+// std::shared_ptr before (the branch not taken is never instantiated).
+template <class N>
+auto make_node(std::string msg, torch::autograd::edge_list&& edges) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
+    return c10::make_intrusive<N>(std::move(msg), std::move(edges));
+  } else {
+    return std::make_shared<N>(std::move(msg), std::move(edges));
+  }
+}
+
 void record_refusal(const char* op, const std::vector<at::Tensor>& inputs,
                     std::initializer_list<const at::Tensor*> outputs) {
   torch::autograd::edge_list edges;
   for (const at::Tensor& t : inputs) {
     edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
   }
-  auto node = c10::make_intrusive<torch::autograd::Error>(
+  auto node = make_node<torch::autograd::Error>(
       std::string("blockdiag::") + op +
           " is one of simd's kernels and has no autograd: a gradient reached it through a graph that recorded "
           "it without simd's op or autograd Function around it; run simd through blockdiag (backend=\"simd\"), "
