@@ -443,10 +443,7 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _run_registered(name: str, fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A registered plain function (no op of ours around it), its result checked."""
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    return check_result(name, fn(x, weight, bias), x, weight, bias, grad)
+    return check_result(name, fn(x, weight, bias), x, weight, bias, _records_grad(x, weight, bias))
 
 
 def _compile_guard(generation: int, config_key: int) -> None:

@@ -651,19 +651,16 @@ def _vmap_rule(op, entry: Optional[OpEntry] = None):
             x = x.movedim(xd, 0)
             y = op(x.reshape(nb * x.shape[1], x.shape[2]), weight, bias)
             return y.reshape(nb, x.shape[1], y.shape[-1]), 0
+        w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
+        b = None if bias is None else (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape))
         if entry is not None and entry.forward_copies is not None:
             # The op's checks, on one copy's operands (views: nothing is copied).
             check_operands(entry.name, *(t if d is None else t.select(d, 0)
                                          for t, d in ((x, xd), (weight, wd), (bias, bd))))
-            w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
-            b = None if bias is None else (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape))
             return entry.forward_copies(x.movedim(xd, 0) if xd is not None else x[None], w, b), 0
-        w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
         g = w.shape[1]
         wf = w.reshape(nb * g, w.shape[2], w.shape[3])
-        bf = None
-        if bias is not None:
-            bf = (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, bias.shape[0])).reshape(-1)
+        bf = None if b is None else b.reshape(-1)
         if xd is None:
             xf = x.repeat(1, nb)  # every copy of the groups reads the same input
         else:
