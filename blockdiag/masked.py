@@ -401,7 +401,8 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
         ``linear`` itself.
 
     Raises:
-        BlockDiagError: if ``linear`` is not masked.
+        BlockDiagError: if ``linear`` is not masked, or its class was derived from the masked one
+            after masking (``fully_shard``), through which the mask cannot be removed.
     """
     hooks = getattr(linear, "_blockdiag_hooks", None)
     mask_mod = _mask_of(linear)
@@ -409,8 +410,19 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
         raise BlockDiagError(
             f"remove_block_diagonal_mask_: {type(linear).__name__} has no block-diagonal mask"
         )
-    _own_class(linear)
     plist = linear.parametrizations.weight
+    if len(plist) == 1 and "weight" not in type(linear).__dict__:
+        # torch's remove_parametrizations deletes the ``weight`` property from the module's
+        # own class; a class derived after masking (``fully_shard`` derives
+        # ``FSDPParametrizedLinear``, whose parameters FSDP has registered) has none to
+        # delete, and torch fails half-way with an AttributeError.
+        derived = next((c.__name__ for c in type(linear).__mro__[1:] if "weight" in c.__dict__), "?")
+        raise BlockDiagError(
+            f"remove_block_diagonal_mask_: {type(linear).__name__} is a class derived from the masked "
+            f"{derived} after masking (fully_shard and other wrappers do this), so the mask cannot be "
+            "removed in place; remove it before wrapping, or copy the (full) weight into a new nn.Linear"
+        )
+    _own_class(linear)
     if len(plist) == 1:
         parametrize.remove_parametrizations(linear, "weight", leave_parametrized=True)
     else:

@@ -298,11 +298,15 @@ def test_a_rank_that_raises_does_not_hang_the_others(tmp):
 
 
 def test_masked_linear_sharded_on_its_own_by_fsdp2_resets_from_the_meta_device(tmp):
-    # fully_shard(linear) derives a class from the masked one; its reset_parameters recursed.
+    # fully_shard(linear) derives a class from the masked one; its reset_parameters recursed,
+    # and removing the mask through it failed half-way in torch's parametrize.
     for rank, r in enumerate(_run_ok("masked_meta", 2, tmp)):
         c = r["masked_meta"]
         assert c["error"] == "", (rank, c)
         assert c["off_block"] == 0.0 and 0.0 < c["block_max"] <= c["bound"] and c["out_shape"] == [3, 2], (rank, c)
+        assert c["remove"].startswith("BlockDiagError: remove_block_diagonal_mask_: FSDPParametrizedLinear is a class "
+                                      "derived from the masked ParametrizedLinear"), (rank, c)
+        assert c["still_masked"] and c["runs_after"] == [3, 2], (rank, c)
 
 
 def test_a_rank_outside_the_mesh_is_told_so(tmp):
@@ -1057,6 +1061,13 @@ def _job_masked_meta(rank, world, tmp):
     out["block_max"] = float(w[~off].abs().max())
     out["bound"] = 1 / math.sqrt(8)  # nn.Linear's kaiming_uniform_(a=sqrt(5)) bound, 1/sqrt(fan_in)
     out["out_shape"] = list(net(torch.randn(3, 8)).shape)
+    try:  # the mask cannot come off through fully_shard's derived class: named, nothing changed
+        blockdiag.remove_block_diagonal_mask_(net[0])
+        out["remove"] = "removed"
+    except Exception as e:  # noqa: BLE001 - the type is the finding
+        out["remove"] = f"{type(e).__name__}: {e}"
+    out["still_masked"] = hasattr(net[0], "_blockdiag_hooks") and hasattr(type(net[0]), "weight")
+    out["runs_after"] = list(net(torch.randn(3, 8)).shape)
     return {"masked_meta": out}
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import blockdiag
-from blockdiag import Backend, BlockDiagError, Problem
+from blockdiag import Backend, BlockDiagError, Problem, tuning
 from blockdiag.dispatch import candidates, choose
 from blockdiag.testing import reference_loop
 
@@ -328,3 +328,56 @@ def test_a_registered_function_returning_a_sparse_result_is_named():
             blockdiag.grouped_linear(torch.randn(4, 8), torch.randn(2, 4, 4), backend="test_sparse_y")
     finally:
         blockdiag.unregister_backend("test_sparse_y")
+
+
+class _WrongWeightGrad(torch.autograd.Function):
+    # The right product, and the weight's gradient doubled: only a gradient check sees it.
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return _einsum(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        g, o, i = weight.shape
+        gyb, xb = gy.view(-1, g, o), x.view(-1, g, i)
+        gx = torch.einsum("ngo,goi->ngi", gyb, weight).reshape(x.shape)
+        return gx, 2 * torch.einsum("ngo,ngi->goi", gyb, xb), gy.sum(0)
+
+
+@pytest.mark.parametrize(("fn", "mode", "match"), [
+    (lambda x, w, b: _einsum(x, w.transpose(1, 2).contiguous(), b), "forward", "wrong result"),
+    (lambda x, w, b: _einsum(x, w, None), "forward", "wrong result"),
+    (lambda x, w, b: _einsum(x, w, b) * (1 + 1e-3), "forward", "wrong result"),
+    (_WrongWeightGrad.apply, "train", "wrong gradient of the weight"),
+], ids=["transposed_blocks", "no_bias", "off_by_1e-3", "weight_grad_doubled"])
+def test_tune_and_bench_do_not_time_a_backend_with_wrong_numbers(fn, mode, match):
+    # A fast wrong backend timed into a profile would be what auto runs there, silently.
+    blockdiag.register_backend(Backend("test_wrong", fn, dtypes=F32))
+    try:
+        grid = tuning.Grid((8,), (2,), ((4, 4),))
+        got = tuning.tune(grid, modes=(mode,), backends=["dense", "test_wrong"], rounds=1,
+                                    min_time=1e-4, rematch=False)
+        row = got["measurements"][0]
+        assert set(row["times_us"]) == {"dense"} and match in row["skipped"]["test_wrong"], row
+        rows = tuning.bench(grid, modes=(mode,), backends=["dense", "test_wrong"], rounds=1,
+                                      min_time=1e-4, baselines=False, memory=False, refine=0)
+        assert "test_wrong" not in rows[0]["times_us"] and match in rows[0]["skipped"]["test_wrong"]
+    finally:
+        blockdiag.unregister_backend("test_wrong")
+
+
+def test_bench_stops_where_auto_itself_gives_wrong_numbers(monkeypatch):
+    # What auto runs is what users get: bench says so rather than timing it.
+    import blockdiag.nn.linear as linear
+
+    blockdiag.register_backend(Backend("test_wrong", lambda x, w, b: _einsum(x, w, b) + 1, dtypes=F32))
+    try:
+        real = linear.plan_for
+        monkeypatch.setattr(linear, "plan_for", lambda backend, *a: real("test_wrong" if backend == "auto" else backend, *a))
+        with pytest.raises(BlockDiagError, match=r"bench: .*: auto \(running '\w+'\): wrong result: 64 of 64 entries"):
+            tuning.bench(tuning.Grid((8,), (2,), ((4, 4),)), modes=("forward",),
+                                   backends=["dense"], rounds=1, min_time=1e-4, baselines=False, memory=False)
+    finally:
+        blockdiag.unregister_backend("test_wrong")

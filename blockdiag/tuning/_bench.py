@@ -7,6 +7,7 @@ intervals.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from typing import Callable, Iterable, Optional, Sequence, TextIO
 
 import torch
@@ -34,6 +35,7 @@ from ._timer import (
     _vmap_step,
     median_interval,
 )
+from ._verify import wrong_results
 
 # The coverage of the intervals ``bench`` gives its ratios (:func:`median_interval` of the
 # round-by-round ratios of two steps sampled moments apart): ``auto_over_fastest_interval``
@@ -101,6 +103,7 @@ def bench(
             would have chosen: :func:`~blockdiag.dispatch.builtin_plan`).
     """
     from ..dispatch import builtin_plan, choose
+    from ..nn.linear import grouped_linear
 
     modes = _resolve_modes(modes)
     problems = [p for m in modes for p in grid.problems(m, dtype, device)]
@@ -125,6 +128,13 @@ def bench(
         # Every backend is timed through the same public entry point as auto, so that
         # auto/fastest measures the choice; the choice's bare kernel is timed as well, so
         # that auto/kernel measures what the dispatch itself costs.
+        # A backend whose numbers are wrong is not timed (it would be "fastest" for nothing);
+        # auto itself wrong ends the run: what it runs is what users get.
+        wrong = wrong_results(p, {n: partial(grouped_linear, backend=n) for n in (*ok, "auto")}, x, w, b, gy)
+        if "auto" in wrong:
+            raise BlockDiagError(f"bench: {p.describe()}: auto (running {choice!r}): "
+                                 f"{wrong['auto'].removeprefix('skipped: ')}")
+        ok = [n for n in ok if n not in wrong]
         steps = {n: _api_step(n, x, w, b, gy) for n in ok}
         steps["auto"] = _api_step("auto", x, w, b, gy)
         steps["auto_kernel"] = _backend_step(choice, x, w, b, gy)
@@ -157,7 +167,7 @@ def bench(
             ideal_us=round(times["ideal"] * 1e6, 3),
             fraction_of_ideal=round(times["ideal"] / times["auto"], 4),
             baselines_us={n: round(times[n] * 1e6, 3) for n in ("nn_linear_loop", "vmap") if n in times},
-            skipped={**skipped, **failed},
+            skipped={**skipped, **wrong, **failed},
             table=plan.source,
         )
         if fastest:

@@ -24,6 +24,7 @@ from ._timer import (
     _runnable,
     allocator_env,
 )
+from ._verify import wrong_results
 
 
 def tune(
@@ -83,8 +84,11 @@ def tune(
     for p in problems:
         ok, skipped = _runnable(p, backends)
         x, w, b, gy = _inputs(p)
-        steps = {n: _backend_step(n, x, w, b, gy) for n in ok}
+        # A wrong backend must not be timed into the profile, where auto would then run it.
+        wrong = wrong_results(p, {n: get(n).fn for n in ok}, x, w, b, gy)
+        steps = {n: _backend_step(n, x, w, b, gy) for n in ok if n not in wrong}
         times, failed = _tuning.measure(steps, device, rounds, min_time, stat=stat, refine=refine)
+        failed = {**wrong, **failed}
         row = {
             "mode": p.mode,
             "batch": p.batch,
