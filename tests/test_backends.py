@@ -10,6 +10,7 @@ references. A backend that gains a constraint therefore needs a row here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -516,6 +517,32 @@ def test_backends_skip_their_autograd_function_without_grad(name, monkeypatch):
     assert y.grad_fn is not None
     if not get(name).fn.eager_autograd:  # else torch's own derivatives of its ops record it
         assert type(y.grad_fn).__name__.startswith(f"{name}_Eager")
+
+
+@pytest.mark.parametrize("observed", ["forward", "backward"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_checkpoint_with_a_dispatch_mode_around_one_pass(name, observed):
+    # checkpoint(use_reentrant=False) matches the saved tensors of the forward with those of
+    # its recomputation (in the backward). A mode (FlopCounterMode) or profiler around one of
+    # them sends that pass through the op: bmm_fm and conv saved other tensors in their eager
+    # torch ops than the op saves, and the backward failed with CheckpointError.
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _available(name)
+    if "cpu" not in get(name).dtypes:
+        pytest.skip(f"{name} does not run on CPU")
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    with FlopCounterMode(display=False) if observed == "forward" else contextlib.nullcontext():
+        y = checkpoint(grouped_linear, x, w, b, name, use_reentrant=False)
+    with FlopCounterMode(display=False) if observed == "backward" else contextlib.nullcontext():
+        got = torch.autograd.grad(y.square().sum(), (x, w, b))
+    want = torch.autograd.grad(reference_loop(x, w, b).square().sum(), (x, w, b))
+    torch.testing.assert_close(y, reference_loop(x, w, b))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

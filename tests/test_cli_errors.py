@@ -311,6 +311,23 @@ def test_tune_refuses_a_grid_that_max_gflop_empties_and_an_unknown_plot_format(t
     assert not profile.exists()
 
 
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    # Before: "pip install 'blockdiag[plot]'", which installs PyPI's blockdiag, another project
+    # with no plot extra, where this checkout's is not installed.
+    from blockdiag import BlockDiagError
+    from blockdiag.tuning import plot_decision_map
+
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    profile = tmp_path / "p.json"
+    _refused(["tune", *TINY, "--plot", str(tmp_path / "map.png"), "--profile", str(profile)],
+             "--plot needs matplotlib, which is not installed: pip install matplotlib", capsys=capsys)
+    assert not profile.exists()
+    with pytest.raises(BlockDiagError, match=r"needs matplotlib, which is not installed: pip install matplotlib \(the plot "
+                                             r"extra: pip install -e '\.\[plot\]' in blockdiag's checkout\)"):
+        plot_decision_map({"measurements": []}, str(tmp_path / "map.png"))
+
+
 @pytest.mark.parametrize("cmd, option", [("bench", "--json"), ("tune", "--profile"), ("tune", "--plot")])
 def test_an_output_that_is_not_a_regular_file_is_refused_before_measuring(tmp_path, cmd, option, capsys):
     # Renaming the result over a FIFO (or a device) replaced that node with a regular file.

@@ -50,3 +50,40 @@ def test_the_block_runs(code, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, f"exit status {p.returncode}:\n{p.stderr[-4000:]}"
+
+
+def test_the_tuning_guide_lists_every_setting_and_its_variable():
+    # The settings table and the environment variables of the precedence list, against
+    # blockdiag.Settings: a setting added to the code must not be missing from the guide.
+    import dataclasses
+
+    from blockdiag import settings
+
+    page = (ROOT / "docs" / "tuning.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## The settings and their precedence")[1], re.M))
+    assert {f.name for f in dataclasses.fields(settings.Settings)} <= rows, rows
+    for var, _ in settings._ENV.values():
+        assert f"`{var}`" in page, var
+
+
+CLI_COMMAND = re.compile(r"blockdiag (demo|tune|explain|bench)((?:[ \t]+(?:\\\n[ \t]*)?(?!#)[^\s`|]+)*)")
+
+
+def test_the_commands_on_the_pages_use_options_that_exist():
+    # Every option of a `blockdiag <command> ...` written on a page is one of that command's
+    # (the option names only: values such as --device cuda need the device to parse).
+    import argparse
+
+    from blockdiag.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    seen = 0
+    for page in PAGES:
+        if page.name == "changelog.md":  # history: it names options as they were
+            continue
+        for m in CLI_COMMAND.finditer(page.read_text()):
+            known = set(sub.choices[m.group(1)]._option_string_actions)
+            for option in re.findall(r"(?<![\w-])--?[a-z][\w-]*", m.group(2)):
+                seen += 1
+                assert option in known, f"{page.name}: {m.group(0)!r}: {option} is not an option of {m.group(1)}"
+    assert seen >= 10, seen

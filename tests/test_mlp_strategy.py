@@ -340,7 +340,12 @@ def test_a_strategy_runs_an_empty_batch_and_refuses_a_mismatched_input(strategy)
     assert y.shape == (0, 6)
     y.sum().backward()
     assert x.grad.shape == (0, 6)
-    with pytest.raises(BlockDiagError, match=rf"strategy='{strategy}' cannot run: layers\[0\]\.weight is torch.float64 on cpu but the input is torch.float32"):
+    with pytest.raises(BlockDiagError, match=rf"strategy='{strategy}' cannot run: layers\[0\]\.weight is torch.float64 on cpu but the input is torch.float32") as e:
+        model(torch.randn(3, 6))
+    # The layers (and auto) refuse that input too, so the advice is the cast, not another strategy.
+    assert "use strategy=" not in str(e.value) and "pass it as torch.float64 on cpu" in str(e.value)
+    model.strategy = "layers"
+    with pytest.raises(BlockDiagError, match="cast them to one dtype"):
         model(torch.randn(3, 6))
 
 
@@ -917,6 +922,30 @@ def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how
     want_y.backward(gy)
     torch.testing.assert_close(y, want_y)
     torch.testing.assert_close(got, x.grad)
+
+
+@pytest.mark.parametrize("observed", ["forward", "backward"])
+def test_non_reentrant_checkpoint_with_flop_counter_around_one_pass(observed):
+    # checkpoint(use_reentrant=False) matches the tensors the forward saved with those its
+    # recomputation saves. FlopCounterMode registers global module hooks, which made auto
+    # run the layers in the pass it observed and the chain in the other: CheckpointError.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GroupedMLP(8, [16, 16], 4, heads=4)
+    x = torch.randn(32, 8, requires_grad=True)
+    with FlopCounterMode(display=False) if observed == "forward" else torch.enable_grad():
+        y = checkpoint(model, x, use_reentrant=False)
+    with FlopCounterMode(display=False) if observed == "backward" else torch.enable_grad():
+        y.square().sum().backward()  # (autograd.grad under FlopCounterMode is torch's refusal)
+    got = [t.grad for t in (x, *model.parameters())]
+    want = torch.autograd.grad(model(x).square().sum(), (x, *model.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert model.plan(x).strategy == "layers"
+        assert "saved-tensor hooks" in model.plan(x).reason
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert "saved-tensor hooks" not in model.plan(x).reason  # nothing is saved or recomputed
 
 
 def test_one_input_per_head_runs_the_layers_and_says_why():

@@ -178,6 +178,9 @@ def test_from_linears_to_linears_roundtrip(device, name):
 def test_from_linears_bad_input():
     with pytest.raises(BlockDiagError, match="linears is empty"):
         GroupedLinear.from_linears([])
+    # One Linear where the sequence belongs: named, not "'Linear' object is not iterable".
+    with pytest.raises(BlockDiagError, match=r"linears must be a sequence of nn.Linear, got one Linear; .*pass \[linear\]"):
+        GroupedLinear.from_linears(nn.Linear(3, 2))
     with pytest.raises(BlockDiagError, match=r"linears\[1\] has weight shape \(2, 4\) but linears\[0\] has \(2, 3\)"):
         GroupedLinear.from_linears([nn.Linear(3, 2), nn.Linear(4, 2)])
     with pytest.raises(BlockDiagError, match=r"linears\[1\] has no bias"):
@@ -311,6 +314,8 @@ def test_from_heads_bad_input():
     good = _heads(2, [4, 3, 1])
     with pytest.raises(BlockDiagError, match="heads is empty"):
         GroupedMLP.from_heads([])
+    with pytest.raises(BlockDiagError, match=r"heads must be a sequence of heads .*got one Linear; .*pass \[head\]"):
+        GroupedMLP.from_heads(nn.Linear(3, 2))
     with pytest.raises(BlockDiagError, match=r"heads\[0\] must be an nn.Sequential or an nn.Linear, got ReLU"):
         GroupedMLP.from_heads([nn.ReLU()])
     bad = nn.ModuleList([good[0], _heads(1, [4, 5, 1])[0]])

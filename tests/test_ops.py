@@ -99,6 +99,15 @@ def test_op_schemas(name):
     )
 
 
+def test_op_lookup_refuses_a_name_without_ops():
+    # Neither torch's AttributeError about its namespace, nor another op of the namespace
+    # (fm_rows is GroupedMLP's chain's, not a backend's) handed out as a backend's.
+    for lookup in (ops.forward_op, ops.backward_op):
+        for name in ("nosuch", "fm_rows"):
+            with pytest.raises(BlockDiagError, match=rf"{lookup.__name__}: '{name}' is not a backend with ops; those are 'auto', 'loop'"):
+                lookup(name)
+
+
 # opcheck's AOT-dispatch check (make_fx and AOTAutograd with dynamic shapes) costs about as
 # much as all the others together, so it runs on two of the eight dtype x grad x bias cases
 # (one per dtype, one with autograd, one without) and on the second shape; every case gets the

@@ -169,11 +169,12 @@ def _check_plot_format(path: str | None) -> None:
     if path is None:
         return
     from .._errors import BlockDiagError
+    from ..tuning.plot import MATPLOTLIB_HINT
 
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise BlockDiagError("--plot needs matplotlib: pip install 'blockdiag[plot]'") from None
+        raise BlockDiagError(f"--plot needs matplotlib, which is not installed: {MATPLOTLIB_HINT}") from None
     formats = Figure().canvas.get_supported_filetypes()
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in formats:

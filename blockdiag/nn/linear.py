@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Iterable
 from typing import Sequence
 
 import torch
@@ -762,6 +763,10 @@ class GroupedLinear(nn.Module):
                 devices or dtypes.
         """
         fn = "GroupedLinear.from_linears"
+        # One Linear passed where the sequence belongs would fail as "object is not iterable".
+        check(fn, isinstance(linears, Iterable),
+              f"linears must be a sequence of nn.Linear, got one {type(linears).__name__}; for a single "
+              "layer pass [linear]")
         linears = list(linears)
         check(fn, len(linears) > 0, "linears is empty")
         first = linears[0]

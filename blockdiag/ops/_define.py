@@ -45,7 +45,7 @@ from torch.autograd import forward_ad as _fwad
 from .._checks import check_same_device_dtype
 from .._errors import BlockDiagError
 
-__all__ = ["LIB", "OpEntry", "check_backward_operands", "check_operands", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward", "validate_operands"]
+__all__ = ["LIB", "OpEntry", "check_backward_operands", "check_operands", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward", "saved_tensors_hooked", "validate_operands"]
 
 LIB = torch.library.Library("blockdiag", "DEF")
 
@@ -107,6 +107,23 @@ def forward_ad_active(*tensors) -> bool:
         return True
     unpack = torch._C._VariableFunctions._unpack_dual
     return any(t is not None and unpack(t, 0).tangent is not None for t in tensors)
+
+
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether ``saved_tensors_hooks`` are in force (a non-reentrant checkpoint, an offload).
+
+    There an ``eager_autograd`` backend runs in its autograd Function, as the op does, not
+    as its torch ops. ``checkpoint(use_reentrant=False)`` matches the tensors the forward
+    saved with those its recomputation saves, one by one, and the op (taken under a
+    profiler or a dispatch mode such as ``FlopCounterMode``) saves the input and the weight
+    where the torch ops save their own operands (``bmm_fm``: a transposed input; ``conv``:
+    3-d views): a profiler or mode around only one of the two passes failed the backward
+    with ``CheckpointError``. Without torch's query (private API), as if hooks were in force.
+    """
+    return _TOP_SAVED_HOOKS is None or _TOP_SAVED_HOOKS(False) is not None
 
 
 def _records(x, weight, bias) -> bool:
@@ -176,7 +193,8 @@ class OpEntry:
         eager_autograd: ``backward`` computes what torch's own derivatives of ``forward``
             compute, in the same products: eager calls then record ``forward``'s torch ops
             under autograd directly, without the Python Function (whose fixed cost is about
-            as large as a small product); the ops still use ``backward``.
+            as large as a small product), except under saved-tensor hooks
+            (:func:`saved_tensors_hooked`); the ops still use ``backward``.
         traceable_backward: ``backward`` is torch ops without ``out=`` or in-place writes,
             so a compiler can take it as it is (see :attr:`inlinable`).
         rows: for a backend whose ``forward`` returns a transposed view of ``[N, G*out]``,
@@ -257,7 +275,7 @@ class OpEntry:
     def eager(self, x, weight, bias):
         """The kernel called directly (plain eager tensors): in the autograd Function if recording."""
         self.run_check(x, weight, bias)
-        if not self.eager_autograd and _records(x, weight, bias):
+        if _records(x, weight, bias) and (not self.eager_autograd or saved_tensors_hooked()):
             return self._eager_fn.apply(x, weight, bias)
         return self.forward(x, weight, bias)
 
@@ -768,11 +786,26 @@ def entries() -> dict[str, OpEntry]:
     return dict(_ENTRIES)
 
 
+def _op_backend(fn: str, name: str) -> str:
+    """``name`` where it is a backend with ops (or ``"auto"``), else a :class:`BlockDiagError`.
+
+    Without the check, torch answers an AttributeError about its op namespace for a backend
+    registered in torch operations (which has no op: it runs as it is), and returns the op of
+    another name in the namespace (``fm_rows``, ``simd_native``) as if it were a backend's.
+    """
+    if name != "auto" and name not in _ENTRIES:
+        raise BlockDiagError(
+            f"{fn}: {name!r} is not a backend with ops; those are 'auto', {', '.join(map(repr, _ENTRIES))} "
+            "(a backend registered with plain torch operations has none: it runs as it is)"
+        )
+    return name
+
+
 def forward_op(name: str):
     """The forward op ``torch.ops.blockdiag.<name>.default`` of backend ``name`` (or ``"auto"``)."""
-    return getattr(torch.ops.blockdiag, name).default
+    return getattr(torch.ops.blockdiag, _op_backend("forward_op", name)).default
 
 
 def backward_op(name: str):
     """The backward op ``torch.ops.blockdiag.<name>_backward.default`` of backend ``name`` (or ``"auto"``)."""
-    return getattr(torch.ops.blockdiag, name + "_backward").default
+    return getattr(torch.ops.blockdiag, _op_backend("backward_op", name) + "_backward").default

@@ -13,6 +13,10 @@ _WIDTH_IN, _DPI = 8.0, 100
 # Full colour from this margin over the runner-up; under 5% the cell stays pale.
 _FULL_MARGIN = 1.5
 _SHADE_KEY = (1.0, 1.1, 1.25, _FULL_MARGIN)
+# How to get matplotlib. Not ``pip install 'blockdiag[plot]'``: this blockdiag is installed
+# from its checkout, and ``blockdiag`` on PyPI is another project (a diagram generator, with
+# no ``plot`` extra), which that command installs where this one is not installed.
+MATPLOTLIB_HINT = "pip install matplotlib (the plot extra: pip install -e '.[plot]' in blockdiag's checkout)"
 
 
 def _strength(margin: float) -> float:
@@ -31,7 +35,7 @@ def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] 
     on the right. Each cell is coloured by the fastest backend, shaded by its margin over the
     runner-up (pale: under 5%, full colour: 50% or more), and labelled with both; a legend
     under the title names the colours and a key at the bottom shows the shades. The figure
-    is 800 px wide, the docs' width. Needs matplotlib (``pip install blockdiag[plot]``).
+    is 800 px wide, the docs' width. Needs matplotlib (:data:`MATPLOTLIB_HINT`).
 
     Args:
         entry: a profile entry (from :func:`tune` or a profile file).
@@ -51,7 +55,7 @@ def plot_decision_map(entry: dict, path: str, backends: Optional[Iterable[str]] 
         import matplotlib.pyplot as plt
         from matplotlib.colors import to_rgb
     except ImportError:
-        raise BlockDiagError("plot_decision_map: --plot needs matplotlib: pip install 'blockdiag[plot]'") from None
+        raise BlockDiagError(f"plot_decision_map: needs matplotlib, which is not installed: {MATPLOTLIB_HINT}") from None
     ms = entry.get("measurements", [])
     if not ms:
         raise BlockDiagError("plot_decision_map: the profile entry has no measurements to plot")

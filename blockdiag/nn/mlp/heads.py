@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Optional, Sequence
 
 import torch
@@ -21,6 +22,11 @@ from .activations import _check_activation, _hooked
 def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, backend: str, strategy: str):
     """:meth:`GroupedMLP.from_heads` (``cls``: the class to build)."""
     fn = "GroupedMLP.from_heads"
+    # One head passed where the sequence of them belongs would fail below as "object is not
+    # iterable", naming neither the argument nor the fix.
+    check(fn, isinstance(heads, Iterable),
+          f"heads must be a sequence of heads (nn.Sequential or nn.Linear), got one {type(heads).__name__}; "
+          "for a single head pass [head]")
     # A bare Linear is the one-layer head Sequential(Linear): wrapping it copies nothing, and
     # every check below then sees it as such (its hooks, mode, parametrizations).
     heads = [nn.Sequential(h) if isinstance(h, nn.Linear) else h for h in heads]

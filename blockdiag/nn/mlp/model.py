@@ -295,8 +295,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 if chosen == "heads":
                     return self._forward_heads(x)
         elif strategy != "layers":
-            why = self._chain_refusal(x, traced=torch.compiler.is_compiling(), strategy=strategy)
-            check(type(self).__name__, why is None, f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'")
+            why = self._forced_refusal(x, strategy, traced=torch.compiler.is_compiling())
+            check(type(self).__name__, why is None, why)
             return self._forward_feature_major(x) if strategy == "fm_chain" else self._forward_heads(x)
         acts = tuple(self._modules["activations"]._modules.values())
         n_act = len(acts)
@@ -341,8 +341,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
             return MLPPlan("layers", "layers", "fixed by the user (strategy='layers')", layers=plans)
         if self._strategy in ("fm_chain", "heads"):
             s_ = self._strategy
-            why = self._chain_refusal(x, strategy=s_)
-            check(fn, why is None, f"strategy={s_!r} cannot run: {why}; use strategy='layers' or 'auto'")
+            why = self._forced_refusal(x, s_)
+            check(fn, why is None, why)
             return MLPPlan(s_, s_, f"fixed by the user (strategy={s_!r})", layers=plans)
         why = self._auto_context(x)
         if why is not None:

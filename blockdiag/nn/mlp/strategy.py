@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ... import settings as _settings
 from ...dispatch import ONE_INPUT_RULE, UPCAST_RULE, Plan, half_upcast
+from ...ops._define import saved_tensors_hooked
 from ...ops.auto import route_token, traced_routes
 from ..linear import GroupedLinear, _compile_guard
 from .activations import _act_hooked, _hooked, _random
@@ -210,6 +211,19 @@ class StrategyChoice:
                                         "one head's [batch, hidden] at a time instead of every head's")
         return self._params_refusal(x, traced, "the chain", "the chain's feature-major [heads, hidden, batch] layout")
 
+    def _forced_refusal(self, x: torch.Tensor, strategy: str, traced: bool = False) -> Optional[str]:
+        """The error for ``strategy`` (``"fm_chain"`` or ``"heads"``, forced by the user) where it
+        cannot run on ``x``, with what to do instead; None where it runs."""
+        why = self._chain_refusal(x, traced=traced, strategy=strategy)
+        if why is None:
+            return None
+        w = next(iter(self._modules["layers"]._modules.values()))._parameters.get("weight")
+        if isinstance(w, torch.Tensor) and (w.dtype != x.dtype or w.device != x.device):
+            # The layers (and so auto) refuse such an input too: another strategy would not help.
+            return (f"strategy={strategy!r} cannot run: {why}; no strategy runs an input whose dtype or device "
+                    f"is not the parameters': pass it as {w.dtype} on {w.device}, or convert the model (model.to(...))")
+        return f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'"
+
     def _params_refusal(self, x: torch.Tensor, traced: bool, who: str, activation_sees: str) -> Optional[str]:
         mm = _nn_module
         if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
@@ -265,6 +279,10 @@ class StrategyChoice:
             return "a torch.func transform is active"
         if _autocast_on():
             return "autocast is on: each layer casts and plans in autocast's dtype"
+        if torch.is_grad_enabled() and saved_tensors_hooked():
+            return ("saved-tensor hooks are in force (a non-reentrant checkpoint, save_on_cpu): its recomputation "
+                    "must save what the forward saved, whether or not a global module hook is registered in "
+                    "one of the two")
         for k, layer in enumerate(self._modules["layers"]._modules.values()):
             if layer._backend != "auto":
                 return f"layers[{k}] has backend={layer._backend!r}, which is honoured"
@@ -294,6 +312,11 @@ class StrategyChoice:
             or type(x) not in _PLAIN
             or torch._C._are_functorch_transforms_active()
             or (_ANY_AUTOCAST() if _ANY_AUTOCAST is not None else _autocast_on())
+            # A non-reentrant checkpoint matches the tensors its forward saved with those its
+            # recomputation saves, and the strategies save different ones: a global module
+            # hook (FlopCounterMode registers one) around only one of the two passes chose
+            # the layers in it and the chain in the other, a CheckpointError in the backward.
+            or (torch.is_grad_enabled() and saved_tensors_hooked())
         ):
             return "layers"
         mm = _nn_module
