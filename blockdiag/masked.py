@@ -341,6 +341,20 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
     if parametrize.is_parametrized(linear, "weight"):
         present = [type(p).__name__ for p in linear.parametrizations.weight]
         check(fn, _mask_of(linear) is None, "linear is already masked")
+        plist = linear.parametrizations.weight
+        # torch appends a parametrization to a parametrized tensor without calling its
+        # right_inverse, which sets up a parametrization of several tensors (the new
+        # weight_norm's original0 and original1) and orthogonal's trivialization (its ``base``):
+        # stacked on the mask those register, then every forward fails inside torch (a
+        # TypeError). Telling the user to stack them would send them there.
+        first_only = not hasattr(plist, "original") or any(
+            type(p).__name__ == "_Orthogonal" and "base" in p._buffers for p in plist)
+        check(fn, not first_only,
+              f"linear.weight is already parametrized ({', '.join(present)}), by one that torch runs only as "
+              "the first parametrization of a tensor (one of several tensors, as the new weight_norm's, or "
+              "orthogonal's with use_trivialization=True): stacked on the mask it would fail at every forward; "
+              "use a blockdiag.GroupedLinear with a parametrization of its blocks (see the FAQ), or "
+              "orthogonal(..., use_trivialization=False) on top of the mask")
         check(fn, False, f"linear.weight is already parametrized ({', '.join(present)}): mask it first, then "
                          "register the others on top of the mask")
     # A parametrization replaces a parameter or buffer. A weight that is neither is a plain
@@ -362,12 +376,29 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
         # On the class parametrize made for this one module (copies share it, removing the
         # last parametrization restores the original class).
         type(linear).reset_parameters = _reset_parameters
+    cls = type(linear)
+    if cls.__dict__.get("__deepcopy__") is not _deepcopy_uncompiled:
+        cls._blockdiag_deepcopy = cls.__deepcopy__
+        cls.__deepcopy__ = _deepcopy_uncompiled
     linear._blockdiag_hooks = (
         linear._register_state_dict_hook(_state_dict_hook),
         linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True),
         linear.register_load_state_dict_post_hook(_load_post_hook),
     )
     return linear
+
+
+def _deepcopy_uncompiled(self, memo):
+    """``copy.deepcopy`` of a masked module, without ``module.compile()``'s wrapper.
+
+    torch's parametrized class copies ``__dict__`` whole, ``_compiled_call_impl`` included (the
+    plain ``nn.Module.__getstate__`` drops it): that wrapper calls the original's
+    ``_call_impl``, so a copy (``AveragedModel``'s too) of a compiled masked module ran the
+    original's weights. The copy is not compiled, as a plain module's copy is not.
+    """
+    replica = type(self)._blockdiag_deepcopy(self, memo)
+    replica.__dict__.pop("_compiled_call_impl", None)
+    return replica
 
 
 def _own_class(module: nn.Module) -> None:

@@ -75,6 +75,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import blockdiag  # noqa: E402
 import blockdiag.distributed as bdd  # noqa: E402
+from blockdiag.cli._args import _output_json  # noqa: E402
 from blockdiag.profile import write_json_atomic  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one run may take before it is killed")
-    p.add_argument("--json", metavar="PATH", help="write every figure here")
+    p.add_argument("--json", metavar="PATH", type=_output_json, help="write every figure here")
     a = p.parse_args(argv)
     for g in a.heads:
         if g % 2:

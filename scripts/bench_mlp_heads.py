@@ -23,6 +23,7 @@ import timeit
 import torch
 
 import blockdiag
+from blockdiag.cli._args import _finite_nonneg_float, _output_json, _positive
 from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name, write_json_atomic
 from blockdiag.tuning._compiled import _HeadsLoop
@@ -75,12 +76,12 @@ def measure(batch: int, heads: int, i: int, o: int, rounds: int, min_time: float
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--min-time", type=float, default=0.02, help="seconds each sample lasts at least")
+    ap.add_argument("--rounds", type=_positive, default=5)
+    ap.add_argument("--min-time", type=_finite_nonneg_float, default=0.02, help="seconds each sample lasts at least")
     ap.add_argument("--batch", type=lambda s: tuple(map(int, s.split(","))), default=BATCHES)
     ap.add_argument("--groups", type=lambda s: tuple(map(int, s.split(","))), default=GROUPS)
     ap.add_argument("--blocks", type=lambda s: tuple(tuple(map(int, b.split("x"))) for b in s.split(",")), default=BLOCKS)
-    ap.add_argument("--json", help="write the rows and how they were measured here")
+    ap.add_argument("--json", type=_output_json, help="write the rows and how they were measured here")
     args = ap.parse_args(argv)
     rows = []
     for p in points(args.batch, args.groups, args.blocks):

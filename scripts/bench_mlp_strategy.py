@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import blockdiag
+from blockdiag.cli._args import _output_json, _positive
 from blockdiag.cli._run import _provenance
 from blockdiag.profile import device_name, write_json_atomic
 
@@ -128,8 +129,8 @@ def measure(rounds: int, models=MODELS) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
-    ap.add_argument("--json", help="write the rows and a summary to this file")
+    ap.add_argument("--rounds", type=_positive, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--json", type=_output_json, help="write the rows and a summary to this file")
     ap.add_argument("--tiny", action="store_true", help="one tiny model (a smoke test; default off)")
     args = ap.parse_args()
     rows = measure(args.rounds, [(3, [6, 4, 2], [5])] if args.tiny else MODELS)

@@ -357,6 +357,18 @@ def test_an_output_path_in_a_symlink_loop_is_one_line(tmp_path, monkeypatch, cap
     _refused(["bench", *TINY, "--json", str(tmp_path / "a")], "--json", "cannot be resolved", capsys=capsys)
 
 
+@pytest.mark.parametrize("cmd, option", [("bench", "--json"), ("tune", "--profile"), ("tune", "--plot"),
+                                         ("explain", "--profile"), ("bench", "--profile")])
+def test_a_file_name_longer_than_the_file_system_takes_is_one_line(tmp_path, monkeypatch, capsys, cmd, option):
+    # pathlib's is_dir()/exists() raise OSError(ENAMETOOLONG) rather than answer False: a
+    # traceback, exit status 1, before any check said which option it was.
+    long = str(tmp_path / ("a" * 300 + ".png"))
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    shape = ["--batch", "2", "--groups", "2", "--block", "2x2"] if cmd == "explain" else TINY
+    _refused([cmd, *shape, option, long], option, f"{long!r}", "File name too long", capsys=capsys)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_an_output_that_fails_when_written_is_one_line(capsys):
     # /proc passes the checks before the run (as root, os.access says yes) and refuses the
@@ -506,6 +518,32 @@ def test_bench_whose_stdout_reader_went_away_still_writes_json_without_a_traceba
     assert json.loads(out.read_text())["rows"]
 
 
+@pytest.mark.parametrize("stderr_is", ["closed", "read-only", "full"])
+def test_a_stderr_that_cannot_be_written_neither_ends_the_command_nor_writes_into_stdout(tmp_path, stderr_is):
+    # `blockdiag tune 2>&-`: Python starts with sys.stderr None, and print(file=None) is
+    # stdout: the announcement, progress and errors went into stdout's table. Through a shell
+    # wrapper (pyenv's shims) descriptor 2 is the wrapper's script, open for reading; or the
+    # disk of `2>log` is full: the first line for stderr raised OSError and the command ended
+    # silently with status 1 (tune and bench before measuring, or in the middle of the run).
+    if stderr_is == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    missing = tmp_path / "typo.json"
+
+    def close_stderr():
+        if stderr_is == "full":
+            os.dup2(os.open("/dev/full", os.O_WRONLY), 2)
+            return
+        os.close(2)
+        if stderr_is == "read-only":
+            assert os.open(sys.executable, os.O_RDONLY) == 2
+            os.set_inheritable(2, True)
+
+    p = subprocess.run([sys.executable, "-m", "blockdiag", "explain", "--batch", "2", "--groups", "2", "--block",
+                        "2x2", "--profile", str(missing)], stdout=subprocess.PIPE, text=True, timeout=120,
+                       preexec_fn=close_stderr)
+    assert (p.returncode, p.stdout) == (2, ""), (p.returncode, p.stdout)
+
+
 def test_sigterm_while_writing_leaves_the_old_file_and_no_temporary(tmp_path):
     # Python's default SIGTERM ended the process inside the write, leaving r.json.XXXX.tmp.
     out = tmp_path / "r.json"
@@ -554,6 +592,19 @@ def test_a_bad_settings_variable_is_refused_before_the_measuring(cmd, tmp_path, 
     assert not profile.exists()
 
 
+@pytest.mark.parametrize("cmd", ["tune", "bench"])
+def test_a_simd_isa_variable_naming_no_variant_is_refused_before_the_measuring(cmd, tmp_path, monkeypatch, capsys):
+    # simd was left out of the run without a word (unavailable), and tune's entry, without
+    # simd's times, ranked it after every measured backend at every shape on this machine.
+    monkeypatch.setenv("BLOCKDIAG_SIMD_ISA", "sse4")
+    monkeypatch.setattr("blockdiag.tuning.bench", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    profile = tmp_path / "p.json"
+    _refused([cmd, *TINY, "--mode", "forward", "--profile", str(profile)] if cmd == "tune" else [cmd, *TINY],
+             "BLOCKDIAG_SIMD_ISA='sse4' is not a kernel variant", "simd would be left out", capsys=capsys)
+    assert not profile.exists()
+
+
 def test_a_path_stdout_cannot_encode_is_printed_escaped_not_a_traceback(tmp_path):
     # `wrote FILE` and explain's "table: tuning profile FILE" print the user's path on stdout,
     # whose error handler is strict: a non-ASCII path under PYTHONIOENCODING=ascii (or one with
@@ -587,3 +638,30 @@ def test_tune_does_not_replace_a_profile_of_a_newer_blockdiag(tmp_path, monkeypa
     _refused(["tune", *TINY, "--profile", str(target)], "written by a newer blockdiag", "upgrade blockdiag",
              capsys=capsys)
     assert target.read_text() == content
+
+
+@pytest.mark.parametrize("script", ["bench_simd_ops.py", "bench_simd_blas_grads.py", "bench_mlp_heads.py",
+                                    "bench_distributed.py"])
+def test_the_scripts_refuse_a_json_they_cannot_write_and_no_rounds_before_measuring(script, tmp_path, capsys):
+    # The scripts wrote --json after minutes of measuring: a missing folder or a directory
+    # there was a traceback, the rows lost; --rounds 0 was statistics' "no median for empty data".
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def measured(*a, **k):
+        raise AssertionError("the script measured before refusing its arguments")
+
+    mod.measure = mod._launch = measured
+    cases = [(["--json", str(tmp_path / "missing" / "r.json")], "--json", "does not exist"),
+             (["--json", str(tmp_path)], "--json", "is a directory")]
+    if script != "bench_distributed.py":
+        cases += [(["--rounds", "0"], "--rounds", "got 0"), (["--min-time", "nan"], "--min-time", "got nan")]
+    for argv, option, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {option}: " in err and expected in err, (argv, err)

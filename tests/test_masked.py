@@ -121,9 +121,15 @@ def test_remove_restores_plain_parameter():
         (mask_block_diagonal_(nn.Linear(4, 4), 2), 2, r"already masked"),
         (nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), 2,
          r"already parametrized \(_SpectralNorm\): mask it first"),
+        # torch cannot stack these on the mask (registered there, every forward raised a TypeError)
+        (nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), 2,
+         r"already parametrized \(_WeightNorm\), by one that torch runs only as the first"),
+        (nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), 2,
+         r"already parametrized \(_Orthogonal\), by one that torch runs only as the first"),
         (nn.LazyLinear(4), 2, r"not initialised yet \(LazyLinear is lazy\)"),
     ],
-    ids=["not-dividing", "not-dividing-out", "3d-weight", "no-weight", "twice", "other-parametrization", "lazy"],
+    ids=["not-dividing", "not-dividing-out", "3d-weight", "no-weight", "twice", "other-parametrization",
+         "weight-norm", "orthogonal", "lazy"],
 )
 def test_bad_input(module, groups, match):
     with pytest.raises(BlockDiagError, match=match):
@@ -409,6 +415,24 @@ def test_removing_the_mask_from_one_copy_leaves_the_other_masked(which):
     kept.parametrizations.weight.original.data.fill_(1.0)
     assert bool((kept.weight[OFF] == 0.0).all())
     assert type(removed.weight) is nn.Parameter
+
+
+@pytest.mark.parametrize("which", ["copy", "averaged"])
+def test_a_copy_of_a_compiled_masked_module_runs_its_own_weights(which):
+    # torch's parametrized class deep-copies __dict__ whole, model.compile()'s wrapper of the
+    # original's _call_impl included: the copy (AveragedModel's too) ran the original's weights.
+    import copy
+
+    lin = _reference(0)
+    lin.compile(backend="eager")
+    twin = torch.optim.swa_utils.AveragedModel(lin).module if which == "averaged" else copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.parametrizations.weight.original.zero_()
+        twin.bias.zero_()
+        assert torch.equal(twin(torch.randn(3, G * C)), torch.zeros(3, G * R))
+    remove_block_diagonal_mask_(twin)
+    mask_block_diagonal_(twin, G)  # masked again: its copies are its own too
+    assert torch.equal(copy.deepcopy(twin)(torch.ones(1, G * C)), torch.zeros(1, G * R))
 
 
 def test_with_a_parametrization_stacked_on_the_mask_the_checkpoint_keeps_torchs_keys():

@@ -849,6 +849,27 @@ def test_grouped_mlp_persistence_across_backends(via):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_copy_of_a_compiled_model_runs_its_own_weights(kind):
+    # model.compile() stores a compiled wrapper of this instance's _call_impl; nn.Module's
+    # __getstate__ drops it, GroupedMLP's own kept it: its deepcopy ran the original's weights
+    # (a silently wrong result) and pickle / torch.save(model) failed.
+    torch.manual_seed(0)
+    if kind == "linear":
+        model, x = GroupedLinear(12, 8, groups=4), torch.randn(5, 12)
+    else:
+        model, x = GroupedMLP(6, [5], 2, heads=3), torch.randn(5, 6)
+    model.compile(backend="eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+        assert torch.equal(twin(x), torch.zeros(5, model.out_features * (3 if kind == "mlp" else 1)))
+    back = pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), model(x))
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_a_training_checkpoint_resumes_on_another_backend(kind):
     # torch.load's default (weights_only=True) must read the whole checkpoint: the model's
     # and the optimizer's state, saved under one backend and resumed under another.
@@ -983,6 +1004,47 @@ def test_a_parameter_replaced_by_another_shape_is_refused(name, shape):
     same = nn.Parameter(torch.randn(tuple(getattr(layer, name).shape)))
     setattr(layer, name, same)  # the same shape (another dtype, a DTensor, ...) is the user's
     assert getattr(layer, name) is same
+
+
+def test_a_parameter_of_another_shape_through_functional_call_is_named():
+    # functional_call puts its tensors into the parameter dict, past __setattr__'s check: the
+    # error blamed the input ("its last dimension must be in_features=10" on a 15-wide layer)
+    # or the bias, and GroupedMLP's chain and heads raised torch's view errors naming nothing.
+    layer = GroupedLinear(15, 12, groups=3)
+    x = torch.randn(7, 15)
+    params = {"weight": torch.randn(2, 4, 5), "bias": layer.bias.detach()}
+    named = r"GroupedLinear: weight has shape \(2, 4, 5\), but the layer's weight has shape \(3, 4, 5\)"
+    with pytest.raises(BlockDiagError, match=named):
+        torch.func.functional_call(layer, params, (x,))
+    with pytest.raises(BlockDiagError, match=named):  # through the op, under a transform
+        torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params)
+    model = GroupedMLP(5, 4, 2, heads=3)
+    p = {k: v.detach() for k, v in model.named_parameters()}
+    p["layers.0.weight"] = p["layers.0.weight"][:, :-1]
+    for strategy in ("auto", "layers", "heads"):
+        model.strategy = strategy
+        with pytest.raises(BlockDiagError, match=r"GroupedMLP: layers\[0\].weight has shape \(1, 11, 5\), "
+                                                 r"but the layer's weight has shape \(1, 12, 5\)"):
+            torch.func.functional_call(model, p, (torch.randn(6, 5),))
+
+
+def test_a_layer_converts_under_swap_module_params_with_an_output_alive():
+    # torch.__future__.set_swap_module_params_on_conversion(True): .double(), .to() and
+    # load_state_dict swap each parameter, which torch refuses while a graph holds it. On an
+    # input without gradient nn.Linear's graph does not; GroupedLinear's held its weight, so
+    # converting after a forward failed with "Couldn't swap GroupedLinear.weight".
+    layer, lin = GroupedLinear(6, 4, groups=2), nn.Linear(6, 4)
+    x = torch.randn(3, 6)
+    outputs = [layer(x), lin(x)]
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        lin.double()
+        layer.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert layer.weight.dtype == lin.weight.dtype == torch.float64
+    assert outputs[0].shape == (3, 4)
 
 
 def test_grouped_mlp_backend_reads_its_layers():

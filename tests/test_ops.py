@@ -744,6 +744,32 @@ def test_a_frozen_weight_does_not_keep_the_input_alive(name, route):
     torch.testing.assert_close(gx, gr.float(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("route", [pytest.param("eager", id="eager"), pytest.param("op", id="op")])
+@pytest.mark.parametrize("name", ALL)
+def test_an_input_without_gradient_does_not_keep_the_weight(name, route):
+    # Only the input gradient reads the weight: nn.Linear on an input that needs no gradient
+    # (a first layer, heads on frozen features) does not save its weight, so the weight may
+    # change in place before the backward (a step between two losses' backwards) and be
+    # swapped (.to() under swap_module_params_on_conversion). Every backend but conv (torch's
+    # convolution autograd saves its weight, as nn.Conv1d's does) saved it: the backward
+    # raised autograd's "modified by an inplace operation".
+    require_backend(name)
+    if name == "conv":
+        pytest.skip("conv records torch's convolution, whose autograd saves its weight as nn.Conv1d's does")
+    x, w, b = _operands(SHAPE, torch.float32, False, True)
+    w.requires_grad_(True)
+    gy = torch.randn(SHAPE[0], SHAPE[1] * SHAPE[3])
+    mode = FlopCounterMode(display=False) if route == "op" else contextlib.nullcontext()
+    with mode:
+        y = grouped_linear(x, w, b, backend=name)
+        with torch.no_grad():
+            w.mul_(0.5)
+        (gw,) = torch.autograd.grad(y, w, gy)
+    wr = w.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference_loop(x.double(), wr, b.double()), wr, gy.double())
+    torch.testing.assert_close(gw, gr.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_a_frozen_weight_in_bfloat16_neither_keeps_nor_copies_the_input():
     # simd computes bfloat16 in float32: the stand-in kept for the backward is cast one row,
     # not expanded to a full float32 copy, and the input gradient is the reference's.

@@ -455,6 +455,25 @@ def test_a_compiled_frozen_layer_does_not_keep_its_input_for_backward(name, part
             assert kept, f"{name}: a trained layer's compiled backward keeps no input: {[tuple(t.shape) for t in values]}"
 
 
+@pytest.mark.parametrize("name", ["loop", "auto"])
+def test_a_compiled_layer_on_an_input_without_gradient_does_not_keep_its_weight(name):
+    # Only the input gradient reads the weight: compiled nn.Linear on an input without
+    # gradient keeps none, so the weight may change in place before the backward. The layer's
+    # stand-in for it was made from the weight (new_zeros), and aot_eager's partitioner
+    # recomputed it in the backward from the weight it then kept: autograd's
+    # "modified by an inplace operation".
+    require_backend(name)
+    torch._dynamo.reset()
+    w, b = _params(torch.float32)
+    layer = _layer(name, w, b)
+    x, gy = torch.randn(N, G * I), torch.randn(N, G * O)
+    y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    (gw,) = torch.autograd.grad(y, layer.weight, gy)
+    _close(gw, _reference(x, w, b, gy)["weight"], torch.float32, what=f"{name} weight gradient")
+
+
 def test_a_compiled_frozen_auto_layer_on_simds_cpp_ops_does_not_keep_its_input():
     # The native route (simd's C++ ops recorded by auto at a static batch) saves what the
     # ops' autograd Function saves.

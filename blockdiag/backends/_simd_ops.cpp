@@ -160,7 +160,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& gy_in,
   TORCH_CHECK(gy_in.size(1) == g * o && x_in.size(0) == n && x_in.size(1) == g * i && g * i > 0 && o > 0,
               "blockdiag::", op, ": grad ", gy_in.sizes(), " and input ", x_in.sizes(), " do not match weight ",
               weight_in.sizes());
-  const at::Tensor weight = operand(op, "weight", weight_in, dtype).contiguous();
+  // Read by the input gradient only: without it the weight may be a one-value stand-in
+  // (ops/_define.py, kept_weight_for_backward), which a contiguous copy would fill.
+  const at::Tensor weight = need_input ? operand(op, "weight", weight_in, dtype).contiguous()
+                                       : operand(op, "weight", weight_in, dtype);
   auto [gy, ldg] = matrix(op, "grad", gy_in, dtype);
   // A gradient not asked for comes back with 0 elements (an op cannot return None).
   at::Tensor gx = at::empty({0}, gy.options()), gw = at::empty({0}, gy.options()), gb = at::empty({0}, gy.options());

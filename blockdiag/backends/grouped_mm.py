@@ -59,11 +59,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def _backward(dy, x, weight, has_bias, need_x, need_w):
     g, o, i = weight.shape
     n = x.shape[0]
-    weight = _aligned(weight)
     dyg = _aligned(dy).view(n, g, o).transpose(0, 1)  # [G, N, out]
     dx = dw = db = None
     if need_x:
-        dx = _gmm(dyg, weight).transpose(0, 1).reshape(n, g * i)
+        # weight aligned only here: without an input gradient it may be a stand-in
+        # (ops._define.kept_weight_for_backward), which aligning would copy to full size.
+        dx = _gmm(dyg, _aligned(weight)).transpose(0, 1).reshape(n, g * i)
     if need_w:
         # dW[g] = dY[:, g]^T @ X[:, g]: compact [G, out, in], never the dense matrix.
         # x aligned only here: without a weight gradient it may be a stand-in

@@ -264,10 +264,12 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
     n = x.shape[0]
     if x.numel() == 0 or weight.numel() == 0:
         return _fm_backward(gy, x, weight, has_bias, need_x, need_w)
-    weight = weight.contiguous()
     gy, ldy = _rows(gy, g * o)
     gx = gw = gb = None
     if need_x:
+        # Only here: without an input gradient the weight may be a stand-in
+        # (ops._define.kept_weight_for_backward), which a contiguous copy would fill.
+        weight = weight.contiguous()
         # gx_g [N, in] = gy_g [N, out] @ W_g [out, in], written into its columns of gx.
         gx = x.new_empty(n, g * i)
         _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, ldy, weight, o * i, i, gx, i, g * i, g)

@@ -568,6 +568,9 @@ def _up(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         # The backward's stand-in for an input it does not read (ops._define.kept_for_backward):
         # one row cast, still expanded, not a full-size copy.
         return t[:1].float().expand(t.shape)
+    if t is not None and t.numel() > 1 and not any(t.stride()):
+        # Its stand-in for a weight it does not read (ops._define.kept_weight_for_backward).
+        return t.reshape(-1)[:1].float().expand(t.shape)
     return None if t is None else t.float()
 
 
@@ -614,7 +617,8 @@ def _kernel_backward(gy, x, weight, has_bias, need_x, need_w):
             return (gx if need_x else None), (gw if need_w else None), (gb if has_bias else None)
         except RuntimeError:
             pass  # refused: the ctypes wrappers copy or resolve the operands, or say precisely why not
-    weight = weight.contiguous()
+    if need_x:  # else the weight may be a stand-in (see mkl_batch's backward)
+        weight = weight.contiguous()
     gy = _cols(gy)
     blas_x, blas_w = _simd_ops.blas_grads(gy.shape[0], weight.shape[0], weight.shape[2], weight.shape[1])
     if blas_x:

@@ -265,6 +265,67 @@ def _terminate_cleanly():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _plug_closed_streams() -> None:
+    """Give a closed stdout or stderr (``2>&-``, a daemon's or a cron job's) ``/dev/null``.
+
+    Python starts with ``sys.stderr = None`` there, and ``print(..., file=None)`` prints to
+    stdout: the announcement and the progress bar of ``tune`` and ``bench`` went into the
+    table on stdout. Started through a shell wrapper (pyenv's shims) the descriptor is the
+    wrapper's script, open for reading: the announcement raised ``OSError: Bad file
+    descriptor`` and the command ended silently with status 1 before measuring. And the
+    next file opened takes a free descriptor, so that whatever a C library writes to it
+    would land in that file. ``/dev/null`` holds the number instead: the lines for a closed
+    stream are dropped, as closing it means.
+    """
+    import os
+
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no descriptors to plug
+        return
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+                continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:  # a lower descriptor was free (stdin closed too) or ``fd`` is the wrapper's
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:  # Python found it closed at start: print(file=None) is stdout
+            setattr(sys, name, open(fd, "w", closefd=False, errors="backslashreplace"))
+
+
+class _Lossy:
+    """stderr, whose writes are dropped once one fails: a full disk under ``2>log``, a reader
+    gone (``2>&1 | head -1``), ``2>/dev/full``. It carries the announcement, the progress
+    bar and the notes: the first failed write raised ``OSError`` and ended ``tune`` or
+    ``bench`` with status 1 and no word (the traceback had nowhere to go), whatever had been
+    measured lost. The run goes on; what it writes to files and stdout is written."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._failed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._failed:
+            try:
+                return self._stream.write(text)
+            except OSError:
+                self._failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._failed:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._failed = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``blockdiag`` console script.
 
@@ -273,6 +334,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         :class:`~blockdiag.BlockDiagError` (an unknown backend name, an unwritable file, a
         grid too large for the memory, ...), whose message is printed to stderr as one line.
     """
+    _plug_closed_streams()
+    stderr = sys.stderr
+    sys.stderr = _Lossy(stderr)
+    try:
+        return _main(argv)
+    finally:
+        if isinstance(sys.stderr, _Lossy):
+            sys.stderr = stderr
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from .._errors import BlockDiagError
 
     parser = build_parser()

@@ -75,13 +75,14 @@ def _kernel_grid_options(ap: argparse.ArgumentParser, rounds: int, batch: tuple[
                          blocks: tuple[tuple[int, int], ...]) -> None:
     """The options of the scripts that time ``simd``'s kernels over a grid (``scripts/bench_simd_*.py``),
     with each script's own defaults: rounds, sample length, dtype, the grid, the JSON output."""
-    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
-    ap.add_argument("--min-time", type=float, default=0.01, help="seconds each sample lasts at least (default 0.01)")
+    ap.add_argument("--rounds", type=_positive, default=rounds, help=f"interleaved rounds (default {rounds})")
+    ap.add_argument("--min-time", type=_finite_nonneg_float, default=0.01,
+                    help="seconds each sample lasts at least (default 0.01)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--batch", type=_int_list, default=batch, help="rows, comma-separated")
     ap.add_argument("--groups", type=_int_list, default=groups, help="groups, comma-separated")
     ap.add_argument("--blocks", type=_blocks, default=blocks, help="blocks IN x OUT, comma-separated")
-    ap.add_argument("--json", help="write the rows and how they were measured here")
+    ap.add_argument("--json", type=_output_json, help="write the rows and how they were measured here")
 
 
 # The dtypes blockdiag's layers take (floating point); each backend declares its own subset.
@@ -148,6 +149,21 @@ def _path(s: str) -> str:
     """A file name: an empty one is an error, not "the default" (tune would write the user's profile)."""
     if not s.strip():
         raise argparse.ArgumentTypeError(f"must name a file, got {s!r}")
+    return s
+
+
+def _output_json(s: str) -> str:
+    """The scripts' ``--json FILE``, refused now where it cannot be written, as ``bench --json`` is
+    (``_check_output``): the scripts write it after minutes of measuring, and a missing folder,
+    a directory or a FIFO there was a traceback with the rows lost."""
+    from .._errors import BlockDiagError
+    from ._checks import _check_output
+
+    _path(s)
+    try:
+        _check_output("--json", s)
+    except BlockDiagError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--json: ")) from None
     return s
 
 

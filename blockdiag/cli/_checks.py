@@ -17,6 +17,18 @@ def _check_output(option: str, path: str | None, makes_dirs: bool = False) -> No
     """
     if path is None:
         return
+    from .._errors import BlockDiagError
+
+    try:
+        _check_output_path(option, path, makes_dirs)
+    except OSError as e:
+        # pathlib's is_dir/exists raise for every error but a missing file: a name longer
+        # than the file system takes (ENAMETOOLONG), a folder on the way that cannot be
+        # searched. A traceback before, where each such path is no file to write.
+        raise BlockDiagError(f"{option}: {path!r} cannot be used as a file: {e.strerror or e}") from None
+
+
+def _check_output_path(option: str, path: str, makes_dirs: bool) -> None:
     from pathlib import Path
 
     from .._errors import BlockDiagError
@@ -72,6 +84,25 @@ def _check_settings() -> None:
     get_settings()
 
 
+def _check_simd_isa(backends, device: str) -> None:
+    """``$BLOCKDIAG_SIMD_ISA`` naming a kernel variant this CPU cannot run (or none at all) is
+    refused before a run that times every backend: simd was left out of it without a word
+    (unavailable, as on a machine without a compiler), and ``tune``'s entry, without simd's
+    times, ranked it after every measured backend at every shape on this machine. With
+    ``--backends``, ``_check_backends`` says it where simd is named."""
+    if backends is not None or device != "cpu":
+        return
+    from .._errors import BlockDiagError
+    from ..backends import simd
+
+    if not os.environ.get(simd.ISA_ENV, "").strip():
+        return
+    _, why = simd._choose_variant(simd._cpu_description())
+    if why is not None:
+        raise BlockDiagError(f"{why}: simd would be left out of every point measured (unset ${simd.ISA_ENV} "
+                             "for the best variant this CPU runs)")
+
+
 def _check_profile_input(path: str | None) -> None:
     """An explicitly named profile to read must exist (auto would fall back to the built-in
     table without a word); what is wrong inside one, auto reports as a ProfileWarning."""
@@ -81,7 +112,11 @@ def _check_profile_input(path: str | None) -> None:
 
     from .._errors import BlockDiagError
 
-    if not Path(path).exists():
+    try:
+        exists = Path(path).exists()
+    except OSError as e:  # as in _check_output: ENAMETOOLONG, a folder that cannot be searched
+        raise BlockDiagError(f"--profile: {path!r} cannot be read: {e.strerror or e}") from None
+    if not exists:
         raise BlockDiagError(f"--profile: {path!r} does not exist (blockdiag tune --profile {path} writes one)")
 
 

@@ -20,6 +20,7 @@ from ._checks import (
     _check_output,
     _check_profile_input,
     _check_settings,
+    _check_simd_isa,
 )
 from ._run import _announce, _looping, _point_costs, _print_faults, _provenance, _runnable_names, _writing
 
@@ -269,6 +270,7 @@ def cmd_bench(args) -> int:
 
     _check_settings()
     _check_backends(args.backends, args.device, args.dtype)
+    _check_simd_isa(args.backends, args.device)
     _check_output("--json", args.json)
     _check_profile_input(args.profile)
     read = args.profile if args.profile is not None else str(prof.default_profile_path())

@@ -14,6 +14,7 @@ from ._checks import (
     _check_plot_format,
     _check_profile_input,
     _check_settings,
+    _check_simd_isa,
 )
 from ._run import _announce, _looping, _point_costs, _runnable_names, _writing
 
@@ -25,6 +26,7 @@ def cmd_tune(args) -> int:
 
     _check_settings()
     _check_backends(args.backends, args.device, args.dtype)
+    _check_simd_isa(args.backends, args.device)
     _check_output("--plot", args.plot)
     _check_plot_format(args.plot)
     grid = _grid(args, "quick")

@@ -426,6 +426,28 @@ def _explain_failure(fn: str, x, weight, bias) -> None:
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
 
 
+def refuse_replaced_shapes(fn: str, layer: "GroupedLinear", weight, bias, where: str) -> None:
+    """After a product failed: raise the clear error if ``weight`` or ``bias`` (as ``layer``
+    read them) has another shape than the layer's.
+
+    ``GroupedLinear.__setattr__`` refuses such a replacement, but ``torch.func.functional_call``
+    puts its tensors into the parameter dict directly, and ``weight.data = ...`` changes the
+    parameter in place: the ops then took the groups from the weight and blamed the input
+    ("its last dimension must be in_features=10") or the bias, or torch's own view and
+    broadcast errors named nothing. Only run where something already failed: it costs the
+    per-call path nothing.
+    """
+    want = {"weight": (layer.groups, layer.block_out, layer.block_in), "bias": (layer.out_features,)}
+    for name, t in (("weight", weight), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and tuple(t.shape) != want[name]:
+            raise BlockDiagError(
+                f"{fn}: {where}{name} has shape {tuple(t.shape)}, but the layer's {name} has shape "
+                f"{want[name]} (groups={layer.groups}, block {layer.block_in}x{layer.block_out}, in x out): "
+                "a tensor of another shape was put in its place (torch.func.functional_call, "
+                f"{name}.data = ...); pass one of the layer's shape, or make a new layer for another"
+            )
+
+
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # The caller checked plain_eager: an op entry's eager route runs without checking again.
     fn = get(name).fn
@@ -722,8 +744,15 @@ class GroupedLinear(nn.Module):
                 return _run_cast(name, (x0, w0, b0), x, w, b)
             except Exception:
                 _explain_failure(type(self).__name__, x, w, b)
+                refuse_replaced_shapes(type(self).__name__, self, w0, b0, "")
                 raise
-        return _run_op(type(self).__name__, self._backend, x, w, b)
+        if torch.compiler.is_compiling():  # no try in a traced frame: nothing to add while tracing
+            return _run_op(type(self).__name__, self._backend, x, w, b)
+        try:
+            return _run_op(type(self).__name__, self._backend, x, w, b)
+        except Exception:
+            refuse_replaced_shapes(type(self).__name__, self, w0, b0, "")
+            raise
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this first: refuse with the reason instead of a TorchScript

@@ -526,9 +526,45 @@ def kept_for_backward(ctx, x: torch.Tensor) -> torch.Tensor:
     return x.new_zeros((1,) * (x.dim() - 1) + x.shape[-1:]).expand(x.shape)
 
 
+def kept_weight_for_backward(ctx, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` where the backward needs it, else a stand-in of its shape that holds one value.
+
+    Only the input gradient reads the weight's values. Saved regardless, a layer whose input
+    needs no gradient (a first layer, heads on frozen features) kept its weight in the graph,
+    where ``nn.Linear`` does not: an in-place change of the weight before the backward (a
+    step between two losses' backwards) raised autograd's "modified by an inplace operation",
+    and ``.to()``, ``.double()`` or ``load_state_dict`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` failed ("Couldn't swap")
+    while an output was alive. The stand-in has the weight's shape, dtype and device (the
+    backward reads them) and is of the same kinds of tensor as :func:`kept_for_backward`'s.
+    A factory, not ``weight.new_zeros``: in a traced graph that would be a node reading the
+    weight, which a partitioner recomputes in the backward from the weight it then keeps
+    (``aot_eager``'s did). A plain weight's stand-in is made once per shape, dtype and device
+    and shared by every graph (nothing writes into it: an expanded view refuses in-place
+    writes): this runs in most training forwards (every first layer), where two new tensors
+    per call cost a small product's tenth.
+    """
+    if ctx.needs_input_grad[0] or type(weight) not in _KEEPABLE or torch._C._are_functorch_transforms_active():
+        return weight
+    if type(weight) not in _PLAIN or torch.compiler.is_compiling():
+        return torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    key = (weight.shape, weight.dtype, weight.device)
+    standin = _WEIGHT_STANDINS.get(key)
+    if standin is None:
+        if len(_WEIGHT_STANDINS) >= 256:
+            _WEIGHT_STANDINS.clear()
+        standin = torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        _WEIGHT_STANDINS[key] = standin
+    return standin
+
+
+# (shape, dtype, device) -> the shared stand-in of kept_weight_for_backward.
+_WEIGHT_STANDINS: dict = {}
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias = inputs[:3]
-    ctx.save_for_backward(kept_for_backward(ctx, x), weight)
+    ctx.save_for_backward(kept_for_backward(ctx, x), kept_weight_for_backward(ctx, weight))
     ctx.save_for_forward(x, weight)
     ctx.has_bias = bias is not None
     if _fwad._current_level >= 0:

@@ -59,6 +59,7 @@ from ._define import (
     forward_ad_active,
     generic_backward,
     kept_for_backward,
+    kept_weight_for_backward,
     register_autocast,
     rows_pay,
     transform_forward,
@@ -341,7 +342,7 @@ class _NativeRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ops):
-        ctx.save_for_backward(kept_for_backward(ctx, x), weight)
+        ctx.save_for_backward(kept_for_backward(ctx, x), kept_weight_for_backward(ctx, weight))
         ctx.has_bias, ctx.ops = bias is not None, ops
         return ops.forward(x, weight, bias)
 

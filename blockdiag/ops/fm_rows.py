@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _fwad
 
-from ._define import LIB, _jvp, _named, _records, forward_ad_active, kept_for_backward, register_autocast
+from ._define import (LIB, _jvp, _named, _records, forward_ad_active, kept_for_backward,
+                      kept_weight_for_backward, register_autocast)
 
 __all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
@@ -69,7 +70,7 @@ def fm_rows_backward(gy, h, weight, need_h, need_w, need_b):
 class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, keyset):
-        ctx.save_for_backward(kept_for_backward(ctx, h), weight)
+        ctx.save_for_backward(kept_for_backward(ctx, h), kept_weight_for_backward(ctx, weight))
         ctx.save_for_forward(h, weight)
         if _fwad._current_level >= 0:  # no zero tangent for an operand without one (_define._setup)
             ctx.set_materialize_grads(False)

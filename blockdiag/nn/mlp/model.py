@@ -14,7 +14,7 @@ from ...backends import get
 from ...backends._registry import check_dtype
 from ...ops._define import _records, rows_pay
 from ...ops.fm_rows import fm_rows
-from ..linear import GroupedLinear
+from ..linear import GroupedLinear, refuse_replaced_shapes
 from . import heads as _heads
 from . import strategy as _strategy
 from .activations import _check_activation, _in_place, _random
@@ -213,7 +213,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         self._decisions: dict = {}
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        # nn.Module's: it drops ``model.compile()``'s ``_compiled_call_impl``, which wraps this
+        # instance's ``_call_impl``. Kept, a deepcopy ran the original's weights, and pickle failed.
+        state = super().__getstate__()
         state["_decisions"] = {}  # a cache: rebuilt where the model is loaded
         return state
 
@@ -267,6 +269,13 @@ class GroupedMLP(StrategyChoice, nn.Module):
             # The clear error for a sparse, nested or non-tensor input, which fails inside
             # first (no per-call check: a try costs nothing until it raises).
             check_operand_kinds(type(self).__name__, input=x)
+            # Or for a parameter of another shape put in a layer's parameter dict
+            # (torch.func.functional_call): the chain and the heads failed in torch's views.
+            for k, layer in enumerate(self._modules["layers"]._modules.values()):
+                if not isinstance(layer, GroupedLinear):
+                    continue
+                p = layer._parameters
+                refuse_replaced_shapes(type(self).__name__, layer, p.get("weight"), p.get("bias"), f"layers[{k}].")
             raise
         out = self._modules.get("output_activation")
         return y if out is None else out(y)
