@@ -192,7 +192,7 @@ def _reset_parameters(self) -> None:
     parametrizations stacked on the mask are set aside meanwhile: ``original`` gets the
     module's own initialisation, which they then transform as they do any value.
     """
-    base = _overridden_reset_parameters(self)
+    base = _overridden(self, "reset_parameters", _reset_parameters)
     mask_mod = _mask_of(self)
     if mask_mod is None:
         return base()
@@ -203,18 +203,48 @@ def _reset_parameters(self) -> None:
         orig.masked_fill_(~_mask_like(mask_mod, orig), 0)
 
 
-def _overridden_reset_parameters(module: nn.Module):
-    """The ``reset_parameters`` that the masked one replaces, bound to ``module``.
+def _overridden(module: nn.Module, name: str, replacement):
+    """The method ``name`` that the masked module's ``replacement`` replaces, bound to ``module``.
 
-    Looked up past the class that holds the masked one, not past ``type(module)``: a class
+    Looked up past the class that holds the replacement, not past ``type(module)``: a class
     derived from the masked module's own (FSDP2's ``fully_shard`` gives the module one)
-    inherits the masked ``reset_parameters``, which ``super(type(module), module)`` would find
-    again, recursing without end.
+    inherits the replacement, which ``super(type(module), module)`` would find again,
+    recursing without end.
     """
     for cls in type(module).__mro__:
-        if cls.__dict__.get("reset_parameters") is _reset_parameters:
-            return super(cls, module).reset_parameters
-    return super(type(module), module).reset_parameters
+        if cls.__dict__.get(name) is replacement:
+            return getattr(super(cls, module), name)
+    return getattr(super(type(module), module), name)
+
+
+def _state_dict(self, *args, **kwargs):
+    """``state_dict`` of a masked module: the mask's state-dict hook runs before the others.
+
+    It puts the masked weight under the plain key ``weight``; a hook registered before
+    masking (one that casts or renames the module's ``weight`` entry, as on a plain
+    ``nn.Linear``) ran first and found the internal key instead, and the entry it was to change
+    was saved as it was, silently. The hooks run after the submodules are saved, where
+    ``original`` is, so the order of the hooks is what decides.
+    """
+    hooks = self.__dict__.get("_blockdiag_hooks")
+    if hooks is not None and hooks[0].id in self._state_dict_hooks:
+        self._state_dict_hooks.move_to_end(hooks[0].id, last=False)
+    return _overridden(self, "state_dict", _state_dict)(*args, **kwargs)
+
+
+def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    """``_load_from_state_dict`` of a masked module: the mask's load pre-hook runs after the others.
+
+    torch runs a module's load pre-hooks in the order they were registered, and the mask's
+    moves the checkpoint's ``weight`` to the parametrization's key: a hook registered after
+    masking that puts ``weight`` into the state dict (renaming an old checkpoint's key, as it
+    does on a plain ``nn.Linear``) ran after it, and the load called ``weight`` both missing
+    and unexpected (with ``strict=False`` it kept the old weight, silently).
+    """
+    hooks = self.__dict__.get("_blockdiag_hooks")
+    if hooks is not None and hooks[1].id in self._load_state_dict_pre_hooks:
+        self._load_state_dict_pre_hooks.move_to_end(hooks[1].id)
+    return _overridden(self, "_load_from_state_dict", _load_from_state_dict)(state_dict, prefix, *args, **kwargs)
 
 
 def _mask_like(mask_mod: BlockDiagonalMask, t: torch.Tensor) -> torch.Tensor:
@@ -380,6 +410,8 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
     if cls.__dict__.get("__deepcopy__") is not _deepcopy_uncompiled:
         cls._blockdiag_deepcopy = cls.__deepcopy__
         cls.__deepcopy__ = _deepcopy_uncompiled
+    cls.state_dict = _state_dict
+    cls._load_from_state_dict = _load_from_state_dict
     linear._blockdiag_hooks = (
         linear._register_state_dict_hook(_state_dict_hook),
         linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True),
@@ -462,6 +494,9 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
         del plist[0]
     if type(linear).__dict__.get("reset_parameters") is _reset_parameters:
         del type(linear).reset_parameters  # another parametrization keeps the class
+    for name, fn in (("state_dict", _state_dict), ("_load_from_state_dict", _load_from_state_dict)):
+        if type(linear).__dict__.get(name) is fn:
+            delattr(type(linear), name)
     for h in hooks:
         h.remove()
     del linear._blockdiag_hooks

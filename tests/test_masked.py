@@ -619,3 +619,41 @@ def test_a_mask_first_built_under_fake_tensor_mode_is_not_kept():
     assert type(y) is torch.Tensor and type(w) is torch.Tensor
     assert torch.equal(w, w * block_diag_mask(2, (2, 3)))
     torch.testing.assert_close(y, x @ w.T + lin.bias)
+
+
+def test_a_load_pre_hook_registered_after_masking_sees_the_plain_key():
+    # A hook that renames an old checkpoint's key to `weight` (as it does on a plain
+    # nn.Linear) ran after the mask's, which had already moved `weight` to the internal key:
+    # "weight" was both missing and unexpected, and strict=False kept the old weight silently.
+    def rename(module, state_dict, prefix, *args):
+        if prefix + "w_old" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w_old")
+
+    src = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    ckpt = {"w_old": src.weight.detach().clone(), "bias": src.bias.detach().clone()}
+    lin = mask_block_diagonal_(nn.Linear(4, 6), 2)
+    lin.register_load_state_dict_pre_hook(rename)
+    lin.load_state_dict(dict(ckpt))
+    assert torch.equal(lin.weight, src.weight) and torch.equal(lin.bias, src.bias)
+    ckpt["w_old"][0, 3] = 0.5  # outside the blocks: still refused, not skipped
+    with pytest.raises(BlockDiagError, match=r"non-zero 0\.5 at \(0, 3\)"):
+        lin.load_state_dict(dict(ckpt), strict=False)
+    remove_block_diagonal_mask_(lin)
+    assert "_load_from_state_dict" not in type(lin).__dict__ and "state_dict" not in type(lin).__dict__
+    lin.load_state_dict(dict(ckpt))  # a plain nn.Linear again: anything loads
+    assert lin.weight[0, 3] == 0.5
+
+
+def test_a_state_dict_hook_registered_before_masking_sees_the_plain_key():
+    # The hook ran before the mask's and found the internal key: the `weight` entry it was
+    # to change (here, cast for saving, as it is on a plain nn.Linear) was saved unchanged.
+    def to_half(module, state_dict, prefix, local_metadata):
+        for key in (prefix + "weight", prefix + "bias"):
+            state_dict[key] = state_dict[key].half()
+
+    lin = nn.Linear(4, 6)
+    lin.register_state_dict_post_hook(to_half)
+    mask_block_diagonal_(lin, 2)
+    sd = nn.Sequential(lin).state_dict()
+    assert list(sd) == ["0.bias", "0.weight"] and all(v.dtype == torch.float16 for v in sd.values())
+    assert torch.equal(sd["0.weight"], lin.weight.detach().half())

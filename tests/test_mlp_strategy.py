@@ -1001,3 +1001,14 @@ def test_a_layer_with_a_forward_of_its_own_is_called(how, compiled, chain_spy, h
         model.strategy = strategy
         with pytest.raises(BlockDiagError, match=r"layers\[1\] runs .*never calls the layer"):
             model(x)
+
+
+def test_a_refusal_for_a_global_hook_names_the_hook_flopcountermode_registers():
+    # FlopCounterMode registers global module hooks (its module tracker) while it counts: a
+    # forced chain was refused for "a global module hook", which the user never registered.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GroupedMLP(6, [4], 2, heads=3, strategy="fm_chain")
+    with FlopCounterMode(display=False):
+        with pytest.raises(BlockDiagError, match=r"ModuleTracker\._fw_pre_hook.*FlopCounterMode"):
+            model(torch.randn(3, 6))

@@ -109,6 +109,28 @@ def test_a_non_finite_upstream_gradient_stays_in_its_group(device, name, bad):
         assert bool(torch.cat([fin[:BAD_ROW], fin[BAD_ROW + 1 :]]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", backends_and_auto())
+def test_an_infinite_upstream_gradient_gives_an_infinite_weight_gradient(name, dtype):
+    # gW[g, o, :] = sum_n gy[n, g*O + o] * x[n, g, :]: one infinite gy entry makes that row
+    # +-inf (x has no zero), as nn.Linear's is. conv's bfloat16 weight gradient (the
+    # convolution's own) was NaN there.
+    require_backend(name)
+    if name != "auto" and dtype not in get(name).dtypes["cpu"]:
+        pytest.skip(f"backend {name!r} does not run {dtype} on CPU")
+    torch.manual_seed(0)
+    x = (torch.rand(N, G * I) + 0.5).to(dtype)  # positive: the row's sign is the gradient's
+    w = torch.randn(G, O, I).to(dtype).requires_grad_()
+    b = torch.randn(G * O).to(dtype)
+    gy = torch.randn(N, G * O).to(dtype)
+    gy[BAD_ROW, BAD_GROUP * O + 2] = float("-inf")
+    (gw,) = torch.autograd.grad(blockdiag.grouped_linear(x, w, b, backend=name), w, gy)
+    assert bool((gw[BAD_GROUP, 2] == float("-inf")).all()), f"{name}: {gw[BAD_GROUP, 2].tolist()}"
+    others = torch.ones(G, O, dtype=torch.bool)
+    others[BAD_GROUP, 2] = False
+    assert bool(torch.isfinite(gw[others]).all())
+
+
 def test_only_dense_declares_that_it_mixes_groups():
     # The two tests above check each declaration against what the backend does.
     assert [n for n in names() if not get(n).isolates_groups] == ["dense"]

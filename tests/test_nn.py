@@ -1299,3 +1299,38 @@ def test_to_heads_gives_named_heads_back_under_their_names():
     x = torch.randn(6, 5)
     torch.testing.assert_close(torch.cat([h(x) for h in back], -1), model(x))
     assert list(GroupedMLP.from_heads(_three_heads()).to_heads()[0]._modules) == ["0", "1", "2"]
+
+
+def test_fx_symbolic_trace_records_the_products_and_runs_as_the_modules():
+    # torch.fx.symbolic_trace (torchvision's feature extraction, FX graph passes) calls forward
+    # with Proxies: every layer raised "input must be a torch.Tensor, got Proxy", which the
+    # caller never passed. The product is now recorded as a grouped_linear call.
+    import torch.fx as fx
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4, 2, dtype=torch.float64))
+            self.layer = GroupedLinear(12, 6, groups=3, bias=False, dtype=torch.float64)
+            self.mlp = GroupedMLP(6, [5], 2, heads=3, output_activation=nn.Tanh, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.mlp(self.layer(grouped_linear(x, self.w, backend="bmm")))
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    for root in (model, model.layer, model.mlp):
+        traced = fx.symbolic_trace(root)
+        assert any(n.target is grouped_linear for n in traced.graph.nodes)
+    traced = fx.symbolic_trace(model)
+    y, yt = model(x), traced(x)
+    torch.testing.assert_close(yt, y)
+    got = torch.autograd.grad(yt.sum(), [x, *traced.parameters()])
+    want = torch.autograd.grad(y.sum(), [x, *model.parameters()])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # cast when the traced module runs
+        traced = fx.symbolic_trace(GroupedLinear(6, 4, groups=2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert traced(torch.randn(3, 6)).dtype == torch.bfloat16

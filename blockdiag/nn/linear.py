@@ -305,6 +305,10 @@ def _autocast(
     """
     if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
         return x, weight, bias
+    if fx_tracer(x, weight, bias) is not None:
+        # torch.fx.symbolic_trace: the recorded call is cast when the traced module runs, under
+        # the autocast in force then (a Proxy has no dtype to decide with now).
+        return x, weight, bias
     dev = x.device.type
     if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
         return x, weight, bias
@@ -513,6 +517,13 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     time (see :mod:`blockdiag.ops.auto`), and a named backend's op checks at run time that
     the backend accepts the operands. Only the checks that need no data or batch run here.
     """
+    tracer = fx_tracer(x, weight, bias)
+    if tracer is not None:
+        # torch.fx.symbolic_trace runs forward on Proxies, which hold no shape, dtype or value
+        # to check or plan with (the checks below would call the input "not a torch.Tensor"):
+        # the product is recorded as one call of the functional form, which the traced module
+        # runs on its tensors, checked and planned per call as an eager call is.
+        return tracer.create_proxy("call_function", grouped_linear, (x, weight, bias), {"backend": backend})
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
     if not torch.compiler.is_compiling() and not _sharding._done:
         # Registers DTensor's rules once DTensor is loaded; never traced (it takes a lock).
@@ -563,6 +574,18 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     if empty_dtensor and _sharding.is_dtensor(y):
         return _reshape_empty_dtensor(y, (*lead, g * o))
     return y.reshape(*lead, g * o)
+
+
+def fx_tracer(*operands):
+    """The ``torch.fx`` tracer whose ``Proxy`` one of ``operands`` is (``symbolic_trace``), or None."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it to a constant, and traces no Proxy
+        return None
+    fx = sys.modules.get("torch.fx")  # not imported here: unimported, nothing traces with it
+    if fx is not None:
+        for t in operands:
+            if isinstance(t, fx.Proxy):
+                return t.tracer
+    return None
 
 
 def _reshape_empty_dtensor(t, shape: tuple[int, ...]):

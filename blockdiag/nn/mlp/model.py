@@ -14,7 +14,7 @@ from ...backends import get
 from ...backends._registry import check_dtype
 from ...ops._define import _records, rows_pay
 from ...ops.fm_rows import fm_rows
-from ..linear import GroupedLinear, refuse_replaced_shapes
+from ..linear import GroupedLinear, fx_tracer, refuse_replaced_shapes
 from . import heads as _heads
 from . import strategy as _strategy
 from .activations import _check_activation, _in_place, _random
@@ -263,22 +263,44 @@ class GroupedMLP(StrategyChoice, nn.Module):
             BlockDiagError: an input whose last dimension, dtype or device does not fit, or
                 ``strategy="fm_chain"`` or ``"heads"`` on a model it cannot run (see the class docstring).
         """
-        try:
-            y = self._forward(x)
-        except Exception:
-            # The clear error for a sparse, nested or non-tensor input, which fails inside
-            # first (no per-call check: a try costs nothing until it raises).
-            check_operand_kinds(type(self).__name__, input=x)
-            # Or for a parameter of another shape put in a layer's parameter dict
-            # (torch.func.functional_call): the chain and the heads failed in torch's views.
-            for k, layer in enumerate(self._modules["layers"]._modules.values()):
-                if not isinstance(layer, GroupedLinear):
-                    continue
-                p = layer._parameters
-                refuse_replaced_shapes(type(self).__name__, layer, p.get("weight"), p.get("bias"), f"layers[{k}].")
-            raise
+        if type(x) is not torch.Tensor and fx_tracer(x) is not None:
+            y = self._forward_fx(x)
+        else:
+            try:
+                y = self._forward(x)
+            except Exception:
+                # The clear error for a sparse, nested or non-tensor input, which fails inside
+                # first (no per-call check: a try costs nothing until it raises).
+                check_operand_kinds(type(self).__name__, input=x)
+                # Or for a parameter of another shape put in a layer's parameter dict
+                # (torch.func.functional_call): the chain and the heads failed in torch's views.
+                for k, layer in enumerate(self._modules["layers"]._modules.values()):
+                    if not isinstance(layer, GroupedLinear):
+                        continue
+                    p = layer._parameters
+                    refuse_replaced_shapes(type(self).__name__, layer, p.get("weight"), p.get("bias"), f"layers[{k}].")
+                raise
         out = self._modules.get("output_activation")
         return y if out is None else out(y)
+
+    def _forward_fx(self, x) -> object:
+        """``torch.fx.symbolic_trace``'s forward: the layers and activations, called in turn.
+
+        A Proxy has no shape, dtype or value to choose a strategy with, and the choice is made
+        per call; the traced module runs what ``strategy="layers"`` runs (the same values),
+        each layer's product recorded as a ``grouped_linear`` call (see :class:`GroupedLinear`),
+        each activation as a call of its module.
+        """
+        acts = tuple(self._modules["activations"]._modules.values())
+        for k, layer in enumerate(self._modules["layers"]._modules.values()):
+            x = layer(x)
+            if k < len(acts):
+                # As in the layers' path, a random activation gets rows (a layer's output may be
+                # feature-major); whether it is random is known only when it runs (training).
+                if any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in acts[k].modules()):
+                    x = x.contiguous()
+                x = acts[k](x)
+        return x
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         n_in = self.in_features if self.shared_input else self.in_features * self.heads

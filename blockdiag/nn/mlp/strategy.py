@@ -227,7 +227,14 @@ class StrategyChoice:
     def _params_refusal(self, x: torch.Tensor, traced: bool, who: str, activation_sees: str) -> Optional[str]:
         mm = _nn_module
         if mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks or mm._global_backward_pre_hooks:
-            return f"a global module hook is registered (torch.nn.modules.module.register_module_*_hook), and {who} calls no layer"
+            # Named: the user may have registered none (FlopCounterMode's module tracker does).
+            hooks = (*mm._global_forward_pre_hooks.values(), *mm._global_forward_hooks.values(),
+                     *mm._global_backward_pre_hooks.values(), *mm._global_backward_hooks.values())
+            names = dict.fromkeys(f"{getattr(h, '__module__', None) or '?'}.{getattr(h, '__qualname__', type(h).__name__)}"
+                                  for h in hooks)
+            return (f"a global module hook is registered (torch.nn.modules.module.register_module_*_hook: "
+                    f"{', '.join(names)}; FlopCounterMode registers such hooks while it counts), "
+                    f"and {who} calls no layer")
         # Dtypes are compared for every parameter, the device for the first weight only: a
         # parameter elsewhere on another device fails on either path, and each comparison
         # of devices costs a device object.
