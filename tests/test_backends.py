@@ -304,6 +304,28 @@ def test_weight_and_bias_gradients_over_many_rows_are_as_accurate_as_nn_linear(n
         assert ours <= 4 * theirs, f"{name} {what} gradient: error {ours:.2e}, nn.Linear's {theirs:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_tolerances_fail_a_result_twice_or_none_of_the_expected(dtype):
+    # blockdiag.testing.tolerances is what backends' tests compare with: a check built on it
+    # must fail a gradient scaled by 2 or zeroed, however small the result (a magnitude below
+    # 1 was read as 1: bfloat16's atol 0.02 passed anything under 0.01, a mean's gradient) or
+    # long the reduction (k=16384 made bfloat16's rtol 0.64 and atol 0.64 * magnitude).
+    base = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    for size in (1e-3, 1.0, 300.0):
+        want = base * size
+        for k in (1, 64, 16384, 10**8):
+            tol = tolerances(dtype, k, magnitude=float(want.abs().max()))
+            for wrong in (2 * want, 0 * want):
+                with pytest.raises(AssertionError):
+                    torch.testing.assert_close(wrong, want, **tol)
+        # ... and still pass the expected result rounded to the dtype.
+        torch.testing.assert_close(want.to(dtype).double(), want, **tolerances(dtype, magnitude=size))
+    with pytest.raises(BlockDiagError, match=r"tolerances: k=-1 must be"):
+        tolerances(dtype, -1)
+    with pytest.raises(BlockDiagError, match=r"tolerances: dtype=torch.int32 has none"):
+        tolerances(torch.int32)
+
+
 @pytest.mark.parametrize("grad_kind", ["expanded", "transposed"])
 @pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("name", BACKENDS)

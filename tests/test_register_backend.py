@@ -351,7 +351,11 @@ class _WrongWeightGrad(torch.autograd.Function):
     (lambda x, w, b: _einsum(x, w, None), "forward", "wrong result"),
     (lambda x, w, b: _einsum(x, w, b) * (1 + 1e-3), "forward", "wrong result"),
     (_WrongWeightGrad.apply, "train", "wrong gradient of the weight"),
-], ids=["transposed_blocks", "no_bias", "off_by_1e-3", "weight_grad_doubled"])
+    # Right in value, but of a dtype every eager call refuses: timed, auto would pick a
+    # backend that raises at every call.
+    (lambda x, w, b: _einsum(x.double(), w.double(), b.double()), "forward",
+     r"torch.float64, on cpu; it must return"),
+], ids=["transposed_blocks", "no_bias", "off_by_1e-3", "weight_grad_doubled", "float64_result"])
 def test_tune_and_bench_do_not_time_a_backend_with_wrong_numbers(fn, mode, match):
     # A fast wrong backend timed into a profile would be what auto runs there, silently.
     blockdiag.register_backend(Backend("test_wrong", fn, dtypes=F32))

@@ -21,7 +21,9 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .._errors import BlockDiagError
 from ..backends import Problem
+from ..backends._registry import check_result
 
 
 def _blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,6 +50,27 @@ def _excess(got: Optional[torch.Tensor], ref: torch.Tensor, mag: torch.Tensor, k
     idx = int(bad.reshape(-1).nonzero()[0])
     return (f"{int(bad.sum())} of {bad.numel()} entries beyond rounding (e.g. entry {idx}: "
             f"{got.reshape(-1)[idx].item():.6g}, expected {ref.reshape(-1)[idx].item():.6g})")
+
+
+def _refused(name: str, fn: Callable, y, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+             grad: bool) -> Optional[str]:
+    """Why the eager call would refuse what registered function ``fn`` returned, or None.
+
+    The timer runs ``fn`` as it is, where every eager call and ``auto``'s op check its result
+    (``blockdiag.backends._registry.check_result``): one of the wrong dtype, device or shape, an
+    operand handed back, or one detached from the operands in training, is right in value
+    (or compared as float64 here) yet refused at every call, so ``auto`` must not rank it.
+    The built-in backends' ops are tested, and not checked per call.
+    """
+    from ..ops import OpEntry
+
+    if isinstance(fn, OpEntry):
+        return None
+    try:
+        check_result(name, y, x, w, b, grad)
+    except BlockDiagError as e:
+        return str(e)
+    return None
 
 
 def wrong_results(p: Problem, fns: Mapping[str, Callable], x: torch.Tensor, w: torch.Tensor,
@@ -85,8 +108,13 @@ def wrong_results(p: Problem, fns: Mapping[str, Callable], x: torch.Tensor, w: t
         try:
             with torch.set_grad_enabled(gy is not None):
                 y = fn(x, w, b)
-                grads = torch.autograd.grad(y, (x, w, b), gy, allow_unused=True) if gy is not None else ()
+                refused = _refused(name, fn, y, x, w, b, gy is not None)
+                train = gy is not None and not refused
+                grads = torch.autograd.grad(y, (x, w, b), gy, allow_unused=True) if train else ()
         except Exception:  # noqa: BLE001 - the timer runs it next and reports the error
+            continue
+        if refused:
+            out[name] = f"skipped: {refused}"
             continue
         why = _excess(y, y_ref, y_mag, w.shape[2], fi)
         if why is not None:
