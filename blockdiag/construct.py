@@ -251,10 +251,15 @@ def block_diag_coo(blocks: Blocks) -> torch.Tensor:
 
 
 def _first_offdiag(rows: torch.Tensor, cols: torch.Tensor, r: int, c: int) -> int | None:
-    bad = (rows // r) != (cols // c)
-    if bool(bad.any()):
-        return int(bad.nonzero()[0, 0])
-    return None
+    """The index of the first entry outside the diagonal blocks in row-major order, or None."""
+    bad = ((rows // r) != (cols // c)).nonzero().flatten()
+    if bad.numel() == 0:
+        return None
+    # The least (row, col), whatever order the entries come in: torch's coalesced indices are
+    # row-major, but scipy before 1.13 sums a COO matrix's duplicates into column-major order.
+    br, bc = rows[bad], cols[bad]
+    top = br == br.min()
+    return int(bad[top][bc[top].argmin()])
 
 
 def _blocks_from_coo(

@@ -416,10 +416,14 @@ SUMMARY_ROWS = (
     ("a", "`auto` over the fastest: geometric mean, worst (where)",
      lambda s: f"{_fmt(s.get('geomean_auto_over_fastest'))}, {_fmt(s.get('max_auto_over_fastest'), '.2f')}"
      f" ({s.get('worst_point', '–')})"),
+    # "of" how many: the points with a fastest backend (_rated), and those where auto's choice
+    # was timed too (_choice_points; a --backends run may leave it out), counted by
+    # bench_markdown from the rows: the summary's counts are over those points only.
     ("w", "points where `auto` is within 1.10 of the fastest",
-     lambda s: f"{s.get('within_1.10', '–')} of {s.get('points', '–')}"),
-    ("c", "the choice alone (its backend forced) over the fastest: geometric mean; within 1.10",
-     lambda s: f"{_fmt(s.get('geomean_choice_over_fastest'))}; {s.get('choice_within_1.10', '–')}"),
+     lambda s: f"{s.get('within_1.10', '–')} of {s.get('_rated', s.get('points', '–'))}"),
+    ("c", "the choice alone (its backend forced) over the fastest, where it was timed: geometric mean; within 1.10",
+     lambda s: f"{_fmt(s.get('geomean_choice_over_fastest'))}; {s.get('choice_within_1.10', '–')}"
+     + (f" of {s['_choice_points']}" if s.get("_choice_points") is not None else "")),
     ("f", "`auto` over its backend forced by name (the choosing's cost), geometric mean",
      lambda s: _fmt(s.get("geomean_auto_over_choice"))),
     ("k", "`auto` over its backend's bare kernel (the whole dispatch's cost), geometric mean",
@@ -443,17 +447,28 @@ def _point(r) -> str:
 def bench_markdown(name: str) -> str:
     """A ``blockdiag bench --json`` file: provenance, summary, backends' standing, every point."""
     d = _load(name)
-    rows = d["rows"]
+    # A point beyond --max-gflop is a row with the reason and no times: it is listed apart,
+    # not counted among the points measured (nor in each backend's "fastest at N of").
+    rows = [r for r in d["rows"] if "skipped_point" not in r]
+    too_large = [r for r in d["rows"] if "skipped_point" in r]
     modes = [(m, label) for m, label in MODES if any(r["mode"] == m for r in rows)]
     summ = d.get("summary", {})
     out = [_provenance(d, name)]
     present = [(key, label, fn) for key, label, fn in SUMMARY_ROWS
                if key != "b" or any("geomean_builtin_choice_over_fastest" in summ.get(m, {}) for m, _ in modes)]
+    counts = {}
+    for m, _ in modes:
+        rated = [r for r in rows if r["mode"] == m and r.get("fastest")]
+        counts[m] = {"_rated": len(rated), "_choice_points": sum(r["auto"] in r["times_us"] for r in rated)}
     out.append("| | " + " | ".join(label for _, label in modes) + " |")
     out.append("|---|" + "---|" * len(modes))
     for _key, label, fn in present:
-        out.append(f"| {label} | " + " | ".join(fn(summ.get(m, {})) for m, _ in modes) + " |")
+        out.append(f"| {label} | " + " | ".join(fn({**summ.get(m, {}), **counts[m]}) for m, _ in modes) + " |")
     out.append("")
+    if too_large:
+        out.append(f"Not measured ({len(too_large)} points): " + "; ".join(
+            f"{r['mode']} {_point(r)} ({r['skipped_point']})" for r in too_large) + ".")
+        out.append("")
 
     # Each backend's standing: fastest at how many points, its time over the fastest.
     backends = sorted({b for r in rows for b in r["times_us"]}, key=lambda n: (names().index(n) if n in names() else 99, n))
@@ -490,8 +505,10 @@ def bench_markdown(name: str) -> str:
             loop = base.get("nn_linear_loop")
             vmap = base.get("vmap")
             auto = r.get("auto_us")
+            # No fastest where every backend named was skipped there (only auto was timed).
             out.append(
-                f"    | {_point(r)} | `{r['auto']}` | `{r['fastest']}` | {_fmt(r.get('auto_over_fastest'), '.2f')} | "
+                f"    | {_point(r)} | `{r['auto']}` | {'`' + r['fastest'] + '`' if r['fastest'] else '–'} | "
+                f"{_fmt(r.get('auto_over_fastest'), '.2f')} | "
                 f"{_fmt(choice / fastest if choice and fastest else None, '.2f')} | "
                 f"{_fmt(loop / auto if loop and auto else None, '.2f', 'x')} | "
                 f"{_fmt(vmap / auto if vmap and auto else None, '.2f', 'x')} | {_pct(r.get('fraction_of_ideal'))} |"
@@ -644,14 +661,22 @@ def _mlp_auto_sentence(rows: list[dict], sm: dict) -> str:
     """How often ``auto`` ran the faster strategy, and its worst time over the faster where not."""
     if "auto_ran_the_faster" not in sm:
         return ""
+    # Counted from the rows, over the points where auto runs one of the two timed strategies:
+    # where it runs another (the heads), its time is neither column, and the file's own count
+    # (auto_ran_the_faster, from before the heads strategy) took it for the layers.
+    two = [r for r in rows if r["auto"] in ("fm_chain", "layers")]
     worse = []
-    for r in rows:
+    for r in two:
         t = r["times_us"]
-        ran = t["fm_chain" if r["auto"] == "fm_chain" else "layers"]
-        worse.append(ran / min(t["fm_chain"], t["layers"]))
-    text = f" `auto` ran the faster of the two at {sm['auto_ran_the_faster']} of {sm['points']} points"
+        worse.append(t[r["auto"]] / min(t["fm_chain"], t["layers"]))
+    text = f" `auto` ran the faster of the two at {sum(w <= 1.0 for w in worse)} of {len(two)} points"
     if max(worse, default=1.0) > 1.0:
         text += f"; where it did not, it took at most {max(worse):.2f}x the faster one's time"
+    other = Counter(r["auto"] for r in rows if r["auto"] not in ("fm_chain", "layers"))
+    if other:
+        text += ("; at " + ", ".join(f"{k} {'point' if k == 1 else 'points'} it ran `{s}`"
+                                     for s, k in sorted(other.items()))
+                 + ", not timed here")
     return text + "."
 
 

@@ -176,6 +176,16 @@ def test_to_blocks_names_first_offdiagonal_nonzero(kind):
         to_blocks(mat, 3)
 
 
+def test_to_blocks_names_first_offdiagonal_nonzero_in_any_entry_order():
+    # scipy before 1.13 sums a COO matrix's duplicates into column-major order, and the
+    # message named (5, 0), the first entry in that order, for a matrix whose first is (1, 4).
+    from blockdiag.construct import _blocks_from_coo
+
+    rows, cols = torch.tensor([0, 5, 1, 0]), torch.tensor([0, 0, 4, 1])  # column-major
+    with pytest.raises(BlockDiagError, match=r"to_blocks: .*\(6, 6\).*7\.5 at \(1, 4\)"):
+        _blocks_from_coo("to_blocks", rows, cols, torch.tensor([1.0, 1.0, 7.5, 1.0]), (6, 6), 3)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -339,8 +349,12 @@ def test_from_scipy_of_a_non_float_matrix_says_to_pass_dtype(np_dtype, layout):
 
 
 def test_a_one_dimensional_scipy_array_is_refused():
+    a = sp.coo_array(np.ones(6))
+    if a.ndim != 1:
+        pytest.skip(f"scipy {scipy.__version__} has no 1-D sparse arrays (1.13 and later): "
+                    f"coo_array makes shape {a.shape}")
     with pytest.raises(BlockDiagError, match=r"to_blocks: matrix must be 2-D, got shape \(6,\)"):
-        blockdiag.to_blocks(sp.coo_array(np.ones(6)), 3)
+        blockdiag.to_blocks(a, 3)
 
 
 def test_layout_cache_is_not_poisoned_by_fake_tensors():

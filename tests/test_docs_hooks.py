@@ -140,6 +140,53 @@ def test_a_bench_run_stopped_part_way_is_not_published(hooks, tmp_path, monkeypa
     assert hooks._load("whole.json") == {"complete": True, "rows": []}
 
 
+def _bench_row(batch, times, auto="bmm"):
+    fastest = min(times, key=times.get) if times else None
+    auto_us = times.get(auto, 10.0)
+    return {"mode": "forward", "batch": batch, "groups": 4, "block_in": 8, "block_out": 8, "times_us": times,
+            "auto": auto, "auto_us": auto_us, "fastest": fastest,
+            "auto_over_fastest": round(auto_us / times[fastest], 4) if fastest else None,
+            "auto_kernel_us": auto_us, "auto_over_kernel": 1.0, "ideal_us": 5.0,
+            "fraction_of_ideal": round(5.0 / auto_us, 4), "baselines_us": {}, "skipped": {}}
+
+
+def test_a_bench_run_with_skipped_points_renders(hooks, tmp_path, monkeypatch):
+    # bench --max-gflop records a point it skips as a row with the reason and no times, and
+    # bench --backends dense above dense's limit a point with no fastest: the page crashed
+    # on the first (KeyError 'times_us') and named the second's fastest `None`.
+    import json
+
+    from blockdiag.tuning import summarize
+
+    # The summary's counts are over the points with a fastest, and the choice's over those
+    # where auto's backend was timed too (a --backends run may leave it out): the page says
+    # "of" how many, not one count beside "points measured".
+    rows = [_bench_row(1, {"bmm": 10.0, "dense": 20.0}), _bench_row(2, {}),
+            _bench_row(3, {"bmm": 10.0, "dense": 20.0}, auto="conv"),
+            {"mode": "forward", "batch": 99999, "groups": 4, "block_in": 8, "block_out": 8,
+             "skipped_point": "30.0 GFLOP > --max-gflop 1"}]
+    (tmp_path / "b.json").write_text(json.dumps({"rows": rows, "summary": summarize(rows)}))
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    text = hooks.bench_markdown("b.json")
+    assert "| points measured | 3 |" in text and "| 2 of 2 |" in text and "| 1.000; 1 of 1 |" in text
+    assert "| `bmm` | 2 of 3 | 1.00 (1.00) |" in text and "| `dense` | 0 of 3 | 2.00 (2.00) |" in text
+    assert "forward B=99999 G=4 8x8 (30.0 GFLOP > --max-gflop 1)" in text
+    assert "| B=2 G=4 8x8 | `bmm` | – | – |" in text and "`None`" not in text
+
+
+def test_the_mlp_strategy_sentence_counts_auto_running_the_heads_apart(hooks):
+    # scripts/bench_mlp_strategy.py times the chain and the layers; where auto runs the heads,
+    # its time is neither, and the page counted that point as auto running the (faster) layers.
+    rows = [{"auto": "fm_chain", "times_us": {"fm_chain": 1.0, "layers": 2.0}},
+            {"auto": "layers", "times_us": {"fm_chain": 1.0, "layers": 1.5}},
+            {"auto": "heads", "times_us": {"fm_chain": 2.0, "layers": 1.0}}]
+    text = hooks._mlp_auto_sentence(rows, {"points": 3, "auto_ran_the_faster": 2})
+    assert "faster of the two at 1 of 2 points" in text and "at most 1.50x" in text
+    assert "at 1 point it ran `heads`" in text
+    page = hooks.mlp_strategy_markdown("mlp-strategy-cpu-avx512.json")
+    assert "faster of the two at 29 of 33 points" in page and "it ran `heads`" in page
+
+
 def test_the_support_matrix_names_every_shape_rule_of_an_available_backend(hooks):
     # The Backends page's "shape rules (why it declines a problem)" column is read as the
     # whole list: every reason a backend's constraint gives at an edge shape (an empty

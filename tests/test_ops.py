@@ -770,6 +770,68 @@ def test_an_input_without_gradient_does_not_keep_the_weight(name, route):
     torch.testing.assert_close(gw, gr.float(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("route", [pytest.param("eager", id="eager"), pytest.param("op", id="op")])
+@pytest.mark.parametrize("name", ALL)
+def test_a_frozen_weight_hands_a_copying_saved_tensors_hook_no_input_sized_tensor(name, route):
+    # A hook that copies what it is given (save_on_cpu: torch.empty(t.size()).copy_(t)) made
+    # the stand-in saved for the input, a one-row tensor expanded to [N, G*in], a buffer of
+    # the input's size: at 4096 rows and 8 blocks of 64x64, 8.5 MB per call where nn.Linear
+    # (whose weight is the dense [G*out, G*in]) hands it 1 MB. The gradient is the reference's.
+    require_backend(name)
+    if name == "conv" and route == "op":
+        pytest.skip("conv records torch's convolution, whose autograd saves its input as nn.Conv1d's does")
+    n, g, i, o = 64, 2, 4, 4  # the input (n*g*i) far larger than the dense weight (g*o*g*i)
+    x, w, b = _operands((n, g, i, o), torch.float32, False, True)
+    x.requires_grad_(True)
+    gy = torch.randn(n, g * o)
+    dense = torch.nn.Linear(g * i, g * o).requires_grad_(False)
+
+    def handed(f):
+        seen = []
+
+        def pack(t):
+            seen.append(t.numel() * t.element_size())
+            return torch.empty(t.size(), dtype=t.dtype).copy_(t)
+
+        mode = FlopCounterMode(display=False) if route == "op" else contextlib.nullcontext()
+        with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            (gx,) = torch.autograd.grad(f(x * 2), x, gy)
+        return sum(seen), gx
+
+    got, gx = handed(lambda h: grouped_linear(h, w, b, backend=name))
+    linear, _ = handed(dense)
+    assert got <= linear, f"{name}: a copying hook was handed {got} bytes, nn.Linear's {linear}"
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference_loop(2 * xr, w.double(), b.double()), xr, gy.double())
+    torch.testing.assert_close(gx, gr.float(), rtol=1e-4, atol=1e-4)
+
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_an_input_without_gradient_hands_a_copying_saved_tensors_hook_no_weight_sized_tensor(name):
+    # The weight's stand-in (the input needs no gradient, so the backward never reads the
+    # weight) is saved as its one value, as the input's is: expanded, a copying hook
+    # (save_on_cpu) made it a buffer of the weight's size. nn.Linear saves only the input.
+    require_backend(name)
+    if name == "conv":
+        pytest.skip("conv records torch's convolution, whose autograd saves its weight as nn.Conv1d's does")
+    n, g, i, o = 4, 4, 16, 16  # the weight (g*o*i) far larger than the input (n*g*i)
+    x, w, b = _operands((n, g, i, o), torch.float32, False, True)
+    w.requires_grad_(True)
+    gy = torch.randn(n, g * o)
+    seen = []
+
+    def pack(t):
+        seen.append(t.numel() * t.element_size())
+        return torch.empty(t.size(), dtype=t.dtype).copy_(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        (gw,) = torch.autograd.grad(grouped_linear(x, w, b, backend=name), w, gy)
+    assert sum(seen) <= x.numel() * x.element_size() + 64, f"{name}: a copying hook was handed {seen} bytes"
+    wr = w.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(reference_loop(x.double(), wr, b.double()), wr, gy.double())
+    torch.testing.assert_close(gw, gr.float(), rtol=1e-4, atol=1e-4)
+
 def test_a_frozen_weight_in_bfloat16_neither_keeps_nor_copies_the_input():
     # simd computes bfloat16 in float32: the stand-in kept for the backward is cast one row,
     # not expanded to a full float32 copy, and the input gradient is the reference's.

@@ -209,11 +209,13 @@ def test_auto_and_list_backends_survive_another_thread_registering_and_removing(
 
 
 @pytest.mark.parametrize("dtypes", [frozenset({torch.float32}), {"cpu": {"float32"}}, {"cpu": torch.float32},
-                                    {torch.device("cpu"): frozenset({torch.float32})}, ["cpu"]])
+                                    {torch.device("cpu"): frozenset({torch.float32})}, ["cpu"], {},
+                                    {"cpu": frozenset()}])
 def test_a_malformed_dtypes_declaration_is_refused_at_registration(dtypes):
     # A flat set of dtypes once registered fine and then made every backend="auto" call of the
     # process raise "TypeError: sequence item 0: expected str instance"; dtype names as strings
-    # kept the backend from ever running ("does not support float32 (supports float32)").
+    # kept the backend from ever running ("does not support float32 (supports float32)"), and
+    # so did none at all (Backend's default), which said "does not run on cpu (runs on )".
     with pytest.raises(BlockDiagError, match=r"backend 'test_bad_dtypes': dtypes"):
         blockdiag.register_backend(Backend("test_bad_dtypes", _einsum, dtypes=dtypes))
     assert "test_bad_dtypes" not in blockdiag.backends.names()

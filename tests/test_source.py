@@ -68,3 +68,18 @@ def test_every_file_the_native_builds_include_names_their_cached_library():
     assert "_simd.c" in simd._SOURCES
     # The C++ ops' name hashes their one source file only.
     assert includes(_simd_ops._SOURCE, set()) == set()
+
+
+def test_pyproject_gives_every_dependency_a_floor():
+    # An unbounded requirement lets pip keep (or pick) a release that nothing here ran against:
+    # virtualenv before 20.4 makes asv environments whose pip cannot install torch's wheels.
+    # docs/installation.md lists the floors that were tested.
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"].values()
+    reqs = [*project["dependencies"], *(r for extra in extras for r in extra)]
+    floors = (">=", ">", "==", "~=", "===")
+    unbounded = [r for r in reqs if not any(s.operator in floors for s in Requirement(r).specifier)]
+    assert not unbounded, f"pyproject.toml: no lower bound for {unbounded}"

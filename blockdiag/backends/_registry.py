@@ -100,7 +100,8 @@ class Backend:
         name: registry key.
         fn: the pure function ``fn(x, weight, bias) -> y`` with ``x: [N, G*in]``,
             ``weight: [G, out, in]``, ``bias: [G*out] | None``.
-        dtypes: for each device type it runs on, the dtypes it accepts.
+        dtypes: for each device type it runs on, the dtypes it accepts (required: registering
+            a backend that declares none raises).
         grad: whether it gives gradients for input, weight and bias.
         sparse: whether it multiplies through a sparse layout (then ``auto`` considers it only
             above the sparsity threshold).
@@ -294,12 +295,18 @@ def _check_dtypes(fn_name: str, backend: Backend) -> None:
     shape = "a mapping {device type: set of torch.dtype}, e.g. {'cpu': frozenset({torch.float32})}"
     if not isinstance(d, Mapping):
         raise BlockDiagError(f"{where} must be {shape}, got {d!r}")
+    if not d:
+        # The default: such a backend ran nowhere, and naming it said only "does not run on
+        # cpu (runs on )".
+        raise BlockDiagError(f"{where} declares no device type, so it would never run: pass {shape}, got {d!r}")
     for dev, ds in d.items():
         if not isinstance(dev, str) or not dev or ":" in dev:
             raise BlockDiagError(f"{where}: keys must be device types such as 'cpu' or 'cuda', got {dev!r}")
         if isinstance(ds, (str, torch.dtype)) or not isinstance(ds, (set, frozenset, tuple, list)) \
                 or not all(isinstance(t, torch.dtype) for t in ds):
             raise BlockDiagError(f"{where}[{dev!r}] must be a set of torch.dtype, got {ds!r}")
+        if not ds:
+            raise BlockDiagError(f"{where}[{dev!r}] is empty: the backend would never run on {dev}")
 
 
 def register(backend: Backend) -> Backend:

@@ -45,7 +45,7 @@ from torch.autograd import forward_ad as _fwad
 from .._checks import check_same_device_dtype
 from .._errors import BlockDiagError
 
-__all__ = ["LIB", "OpEntry", "check_backward_operands", "check_operands", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward", "saved_tensors_hooked", "validate_operands"]
+__all__ = ["LIB", "OpEntry", "check_backward_operands", "check_operands", "define", "differentiable_backward_needed", "entries", "fake_rows", "forward_op", "backward_op", "plain_eager", "generic_backward", "saved_operands", "saved_tensors_hooked", "validate_operands"]
 
 LIB = torch.library.Library("blockdiag", "DEF")
 
@@ -507,23 +507,38 @@ def _jvp(entry_call, ctx, tx, tw, tb, rows_dim: int = 0):
 
 
 def kept_for_backward(ctx, x: torch.Tensor) -> torch.Tensor:
-    """``x`` where the backward needs it, else a stand-in of its shape that holds one row.
+    """``x`` where the backward needs it, else a one-row stand-in: :func:`saved_operands` expands it.
 
     Only the weight gradient reads the input's values. Saved regardless, a frozen layer's
     input (the activation) lived until the backward, where ``nn.Linear`` frees it as soon as
-    the next layer is done with it. The stand-in has ``x``'s shape, dtype and device (the
-    kernels read ``n`` from it) and a unit column stride, so every kernel takes it as it
-    would ``x``.
+    the next layer is done with it. Expanded, the stand-in has ``x``'s shape, dtype and
+    device (the kernels read ``n`` from it) and a unit column stride, so every kernel takes
+    it as it would ``x``. It is saved one row, unexpanded, with ``x``'s shape on ``ctx``: a
+    saved-tensors hook that copies what it is given (``save_on_cpu`` does
+    ``torch.empty(t.size()).copy_(t)``) made the expanded one a buffer of the input's size.
 
     Plain tensors, and the fake and functional tensors that ``torch.compile`` and
-    ``torch.export`` trace with: there the stand-in is two traced ops on the symbolic shape,
+    ``torch.export`` trace with: there the stand-in is a traced op on the symbolic shape,
     so a compiled backward takes a one-row tensor (or rebuilds it), not the activation. Not
     under a ``torch.func`` transform, nor for another subclass: DTensor carries placements
     that a stand-in would not have, and a user's subclass may carry anything.
     """
     if ctx.needs_input_grad[1] or type(x) not in _KEEPABLE or torch._C._are_functorch_transforms_active():
+        ctx.stand_in_shape = None
         return x
-    return x.new_zeros((1,) * (x.dim() - 1) + x.shape[-1:]).expand(x.shape)
+    ctx.stand_in_shape = x.shape
+    return x.new_zeros((1,) * (x.dim() - 1) + x.shape[-1:])
+
+
+def saved_operands(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight saved with :func:`kept_for_backward` and :func:`kept_weight_for_backward`,
+    the stand-ins expanded to the operands' shapes."""
+    x, weight = ctx.saved_tensors
+    if ctx.stand_in_shape is not None:
+        x = x.expand(ctx.stand_in_shape)
+    if getattr(ctx, "weight_stand_in_shape", None) is not None:
+        weight = weight.expand(ctx.weight_stand_in_shape)
+    return x, weight
 
 
 def kept_weight_for_backward(ctx, weight: torch.Tensor) -> torch.Tensor:
@@ -536,29 +551,33 @@ def kept_weight_for_backward(ctx, weight: torch.Tensor) -> torch.Tensor:
     and ``.to()``, ``.double()`` or ``load_state_dict`` under
     ``torch.__future__.set_swap_module_params_on_conversion(True)`` failed ("Couldn't swap")
     while an output was alive. The stand-in has the weight's shape, dtype and device (the
-    backward reads them) and is of the same kinds of tensor as :func:`kept_for_backward`'s.
-    A factory, not ``weight.new_zeros``: in a traced graph that would be a node reading the
-    weight, which a partitioner recomputes in the backward from the weight it then keeps
-    (``aot_eager``'s did). A plain weight's stand-in is made once per shape, dtype and device
-    and shared by every graph (nothing writes into it: an expanded view refuses in-place
-    writes): this runs in most training forwards (every first layer), where two new tensors
-    per call cost a small product's tenth.
+    backward reads them, once :func:`saved_operands` has expanded it) and is of the same kinds
+    of tensor as :func:`kept_for_backward`'s; saved as its one value, unexpanded, for the
+    same reason (a copying saved-tensors hook). A factory, not ``weight.new_zeros``: in a
+    traced graph that would be a node reading the weight, which a partitioner recomputes in
+    the backward from the weight it then keeps (``aot_eager``'s did). A plain weight's
+    stand-in is made once per dtype, device and number of dimensions and shared by every graph
+    (nothing writes into it: the backward reads only its expansion, which refuses in-place
+    writes): this runs in most training forwards (every first layer), where new tensors per
+    call cost a small product's tenth.
     """
     if ctx.needs_input_grad[0] or type(weight) not in _KEEPABLE or torch._C._are_functorch_transforms_active():
+        ctx.weight_stand_in_shape = None
         return weight
+    ctx.weight_stand_in_shape = weight.shape
     if type(weight) not in _PLAIN or torch.compiler.is_compiling():
-        return torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-    key = (weight.shape, weight.dtype, weight.device)
+        return torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device)
+    key = (weight.dim(), weight.dtype, weight.device)
     standin = _WEIGHT_STANDINS.get(key)
     if standin is None:
         if len(_WEIGHT_STANDINS) >= 256:
             _WEIGHT_STANDINS.clear()
-        standin = torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        standin = torch.zeros((1,) * weight.dim(), dtype=weight.dtype, device=weight.device)
         _WEIGHT_STANDINS[key] = standin
     return standin
 
 
-# (shape, dtype, device) -> the shared stand-in of kept_weight_for_backward.
+# (dimensions, dtype, device) -> the shared one-value stand-in of kept_weight_for_backward.
 _WEIGHT_STANDINS: dict = {}
 
 
@@ -585,7 +604,7 @@ def _functions(entry: OpEntry) -> None:
             return backward_op(ctx, gy)
         if gy is None:
             return None, None, None
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         if differentiable_backward_needed(gy, x, weight):
             return _differentiable_backward(name, ctx, gy, x, weight)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -595,7 +614,7 @@ def _functions(entry: OpEntry) -> None:
     def backward_op(ctx, gy):
         if gy is None:
             return None, None, None
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         if differentiable_backward_needed(gy, x, weight):
             return _differentiable_backward(name, ctx, gy, x, weight)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

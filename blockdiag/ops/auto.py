@@ -62,6 +62,7 @@ from ._define import (
     kept_weight_for_backward,
     register_autocast,
     rows_pay,
+    saved_operands,
     transform_forward,
     validate_operands,
 )
@@ -161,7 +162,7 @@ def _bwd_impl(gy, x, weight, has_bias, need_x, need_w):
 def _backward(ctx, gy):
     if gy is None:  # possible under forward AD only (see _define._setup)
         return None, None, None
-    x, weight = ctx.saved_tensors
+    x, weight = saved_operands(ctx)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if differentiable_backward_needed(gy, x, weight):
         # auto always has a differentiable backward: double backward, torch.func and
@@ -348,7 +349,7 @@ class _NativeRoute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx, gw, gb = ctx.ops.backward(gy, x, weight, ctx.has_bias, need_x, need_w)
         return (gx if need_x else None), (gw if need_w else None), (gb if need_b and ctx.has_bias else None), None

@@ -22,8 +22,17 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _fwad
 
-from ._define import (LIB, _jvp, _named, _records, forward_ad_active, kept_for_backward,
-                      kept_weight_for_backward, register_autocast)
+from ._define import (
+    LIB,
+    _jvp,
+    _named,
+    _records,
+    forward_ad_active,
+    kept_for_backward,
+    kept_weight_for_backward,
+    register_autocast,
+    saved_operands,
+)
 
 __all__ = ["fm_rows", "fm_rows_backward", "write_rows"]
 
@@ -81,7 +90,7 @@ class _Fn(torch.autograd.Function):
     def backward(ctx, gy):
         if gy is None:
             return None, None, None, None
-        h, weight = ctx.saved_tensors
+        h, weight = saved_operands(ctx)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         return (*fm_rows_backward(gy, h, weight, need_h, need_w, need_b), None)
 
