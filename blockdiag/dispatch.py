@@ -691,7 +691,8 @@ def _rank(p: Problem, settings, source: str, entry: Optional[dict]) -> Plan:
             # The neighbours' dense times are of several groups' zeros; the plain GEMM does
             # no more work than the fastest grouped backend there.
             estimates = {**estimates, one_group: min(estimates.values())}
-    if not ranked:  # unreachable while 'loop' is registered; kept as a clear error
+    if not ranked:  # a dtype no backend runs (integer, complex): grouped_linear and the layers
+        # refuse it first, in their own name; choose() called directly gets here
         raise BlockDiagError(
             f"choose: no backend can run {p.describe()}: " + "; ".join(f"{k}: {v}" for k, v in notes.items())
         )

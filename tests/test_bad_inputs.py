@@ -147,3 +147,33 @@ def test_a_jagged_input_to_a_compiled_mlp_is_named(strategy, shared_input):
     torch._dynamo.reset()
     with pytest.raises(BlockDiagError, match=r"GroupedMLP: input is a nested tensor.*to_padded_tensor"):
         torch.compile(mlp, backend="eager")(x)
+
+
+@pytest.mark.parametrize("call", ["forward", "plan"])
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_an_mlp_input_of_another_dtype_or_device_is_named_by_the_model(strategy, call):
+    # The layers' path and plan() failed inside the first layer, whose error named a
+    # "GroupedLinear" and its "weight" the user never built ("GroupedLinear: weight has dtype
+    # torch.float32 but input has dtype torch.float64; cast them to one dtype").
+    mlp = GroupedMLP(I, [O], 1, heads=G, strategy=strategy)
+    name = "GroupedMLP" if call == "forward" else r"GroupedMLP\.plan"
+    for x, where in ((torch.randn(N, I, dtype=torch.float64), r"torch\.float64 on cpu"),
+                     (torch.empty(N, I, device="meta"), r"torch\.float32 on meta")):
+        pattern = rf"layers\[0\]\.weight is torch\.float32 on cpu but the input is {where}"
+        run = mlp if call == "forward" else mlp.plan
+        with pytest.raises(BlockDiagError, match=rf"^{name}: .*{pattern}"):
+            run(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64], ids=str)
+@pytest.mark.parametrize("backend", ["auto", "bmm"])
+def test_an_input_dtype_no_backend_runs_is_named_by_the_caller(backend, dtype):
+    # auto raised "choose: no backend can run ...", a 1 kB list of every backend's refusal
+    # under the name of a function the caller never called.
+    x, w = torch.ones(N, G * I, dtype=dtype), torch.ones(G, O, I, dtype=dtype)
+    pattern = rf"input dtype={dtype!r} is not one any backend runs \(they run .*float32"
+    with pytest.raises(BlockDiagError, match=rf"^grouped_linear: {pattern}"):
+        grouped_linear(x, w, backend=backend)
+    layer = GroupedLinear(G * I, G * O, G, bias=False, backend=backend)
+    with pytest.raises(BlockDiagError, match=rf"^GroupedLinear: {pattern}"):
+        torch.func.functional_call(layer, {"weight": w}, (x,))

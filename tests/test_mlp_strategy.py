@@ -345,7 +345,9 @@ def test_a_strategy_runs_an_empty_batch_and_refuses_a_mismatched_input(strategy)
     # The layers (and auto) refuse that input too, so the advice is the cast, not another strategy.
     assert "use strategy=" not in str(e.value) and "pass it as torch.float64 on cpu" in str(e.value)
     model.strategy = "layers"
-    with pytest.raises(BlockDiagError, match="cast them to one dtype"):
+    # In the model's name, not the first layer's ("GroupedLinear: weight has dtype ...").
+    with pytest.raises(BlockDiagError, match=r"^GroupedMLP: layers\[0\]\.weight is torch.float64 on cpu but the input "
+                       r"is torch.float32 on cpu; .*pass it as torch.float64 on cpu"):
         model(torch.randn(3, 6))
 
 

@@ -937,7 +937,8 @@ def test_grouped_mlp_empty_batch_and_mismatched_input(backend, strategy):
     assert y.shape == (0, 10)
     y.sum().backward()
     assert x.grad.shape == (0, 6)
-    with pytest.raises(BlockDiagError, match=r"weight has dtype torch.float32 but input has dtype torch.float64"):
+    with pytest.raises(BlockDiagError, match=r"^GroupedMLP: layers\[0\]\.weight is torch.float32 on cpu but the input is "
+                       r"torch.float64 on cpu"):
         model(torch.randn(3, 6, dtype=torch.float64))
 
 
@@ -991,6 +992,25 @@ def test_cpu_autocast_over_a_backend_computing_in_float32_multiplies_the_unround
     assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
     for got, want in ((x.grad, gx), (w.grad, gw), (b.grad, gb)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call", ["layer", "plan", "functional", "mlp"])
+def test_cpu_autocast_over_a_named_float32_backend_says_autocast_cast_the_operands(call):
+    # csr runs float32 and float64 only: under autocast the float32 model's operands were cast
+    # to bfloat16 and the refusal named bfloat16 alone ("supports float32, float64"), a dtype
+    # the model was never given.
+    require_backend("csr")
+    layer = GroupedLinear(4 * 8, 4 * 6, groups=4, backend="csr")
+    mlp = GroupedMLP(8, [12], 2, heads=4, backend="csr", strategy="layers")
+    x = torch.randn(5, 4 * 8)
+    run = {"layer": lambda: layer(x), "plan": lambda: layer.plan(x), "mlp": lambda: mlp(x[:, :8]),
+           "functional": lambda: grouped_linear(x, layer.weight, layer.bias, backend="csr")}[call]
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            BlockDiagError, match=r"backend 'csr' does not run bfloat16 on cpu, the dtype autocast cast the float32 "
+                                  r"operands to.*enabled=False"):
+        run()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert run() is not None  # outside autocast it runs
 
 
 @pytest.mark.parametrize("name, shape", [("weight", (2, 4, 6)), ("bias", (4,))])

@@ -437,11 +437,12 @@ def get(name: str, fn_name: str = "backend", auto_valid: bool = True) -> Backend
         raise BlockDiagError(f"{fn_name}: unknown backend {name!r}; valid names are {valid}") from None
 
 
-def check_dtype(fn_name: str, dtype) -> None:
+def check_dtype(fn_name: str, dtype, what: str = "dtype") -> None:
     """Refuse a dtype that no registered backend runs on any device (``None``: torch's default).
 
     A layer of such a dtype would construct and then fail at its first call, after the user
-    had built the model around it. Which backend runs where is decided per call.
+    had built the model around it. Which backend runs where is decided per call. ``what``
+    names the dtype in the message (``"input dtype"`` for an operand's).
     """
     if dtype is None:
         return
@@ -450,7 +451,7 @@ def check_dtype(fn_name: str, dtype) -> None:
     ran = {d for be in list(_REGISTRY.values()) for ds in be.dtypes.values() for d in ds}
     if dtype not in ran:
         valid = ", ".join(sorted(str(d).replace("torch.", "") for d in ran))
-        raise BlockDiagError(f"{fn_name}: dtype={dtype!r} is not one any backend runs (they run {valid})")
+        raise BlockDiagError(f"{fn_name}: {what}={dtype!r} is not one any backend runs (they run {valid})")
 
 
 def registry() -> Mapping[str, Backend]:

@@ -19,6 +19,7 @@ from .._checks import check, check_groups, check_operand_kinds, check_same_devic
 from .._errors import BlockDiagError
 from ..backends import Problem, get
 from ..backends._registry import check_dtype, check_result
+from ..backends._registry import names as _backend_names
 from .. import settings as _settings
 from ..dispatch import Plan, plan_for, plan_state
 from ..ops import OpEntry, plain_eager
@@ -271,6 +272,10 @@ def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
     g, o, i = _check_operands(fn, x, weight, bias)
+    # A dtype no backend runs anywhere (integer, bool, complex, float8), said in the caller's
+    # name: auto's planner would list every backend's refusal under "choose:". Only here, on
+    # a plan-cache miss: the check costs microseconds, too much for the ops' per-call path.
+    check_dtype(fn, x.dtype, "input dtype")
     # Rows are the leading dimensions' product, also when a block has no columns (numel 0).
     n = x.shape[:-1].numel()
     return Problem(n, g, i, o, x.dtype, x.device.type, _records_grad(x, weight, bias))
@@ -340,6 +345,30 @@ def _run_cast(name: str, operands: tuple, x: torch.Tensor, w: torch.Tensor, b: t
         return _run(name, *up).to(x.dtype)
 
 
+def _refuse_autocast_dtype(fn: str, backend: str, operands: tuple, cast: tuple) -> None:
+    """After a product failed: where autocast cast ``operands`` to ``cast`` (:func:`_autocast`),
+    in a dtype the named backend does not run, raise the error that says so.
+
+    The backend's own refusal names only the dtype autocast made ("does not support bfloat16
+    on cpu (supports float32, float64)"), which a float32 model was never given.
+    """
+    changed = [(a, b) for a, b in zip(operands, cast) if a is not b]
+    if backend == "auto" or not changed or backend not in _backend_names():
+        return
+    was, now = changed[0][0].dtype, changed[0][1].dtype
+    dev = changed[0][1].device.type
+    entry = get(backend)
+    runs = entry.dtypes.get(dev, ())
+    if now in runs or was not in runs or entry.unavailable_reason():
+        return  # the refusal has another cause (the device, the dtype given, an unavailable backend)
+    was, now = str(was).replace("torch.", ""), str(now).replace("torch.", "")
+    raise BlockDiagError(
+        f"{fn}: backend {backend!r} does not run {now} on {dev}, the dtype autocast cast the {was} "
+        f"operands to (torch.autocast({dev!r}, dtype=torch.{now})); use backend='auto' or one that "
+        f"runs {now}, or run the layer outside autocast (torch.autocast({dev!r}, enabled=False))"
+    )
+
+
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "auto"
 ) -> torch.Tensor:
@@ -372,6 +401,7 @@ def grouped_linear(
             return _run_cast(name, (x0, w0, b0), x, weight, bias)
         except Exception:
             _explain_failure("grouped_linear", x, weight, bias)
+            _refuse_autocast_dtype("grouped_linear", backend, (x0, w0, b0), (x, weight, bias))
             raise
     return _run_op("grouped_linear", backend, x, weight, bias)
 
@@ -745,8 +775,13 @@ class GroupedLinear(nn.Module):
             BlockDiagError: an input the layer cannot run (shape, dtype, device), or a named
                 backend that declines it.
         """
-        x, w, b = _autocast(x, self.weight, self.bias)
-        return plan_for(self.backend, _problem(type(self).__name__, x, w, b), type(self).__name__)
+        x0, w0, b0 = x, self.weight, self.bias
+        x, w, b = _autocast(x0, w0, b0)
+        try:
+            return plan_for(self.backend, _problem(type(self).__name__, x, w, b), type(self).__name__)
+        except BlockDiagError:
+            _refuse_autocast_dtype(f"{type(self).__name__}.plan", self.backend, (x0, w0, b0), (x, w, b))
+            raise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., groups * block_in] -> [..., groups * block_out]`` with this layer's backend.
@@ -768,6 +803,7 @@ class GroupedLinear(nn.Module):
             except Exception:
                 _explain_failure(type(self).__name__, x, w, b)
                 refuse_replaced_shapes(type(self).__name__, self, w0, b0, "")
+                _refuse_autocast_dtype(type(self).__name__, self._backend, (x0, w0, b0), (x, w, b))
                 raise
         if torch.compiler.is_compiling():  # no try in a traced frame: nothing to add while tracing
             return _run_op(type(self).__name__, self._backend, x, w, b)

@@ -272,6 +272,11 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 # The clear error for a sparse, nested or non-tensor input, which fails inside
                 # first (no per-call check: a try costs nothing until it raises).
                 check_operand_kinds(type(self).__name__, input=x)
+                # Or for an input of another dtype or device than the parameters, which the
+                # first layer refused in its own name ("GroupedLinear: weight has dtype ...").
+                # A forced fm_chain or heads refused it already, in the model's name.
+                if self._strategy not in ("fm_chain", "heads"):
+                    self._refuse_foreign_input(type(self).__name__, x)
                 # Or for a parameter of another shape put in a layer's parameter dict
                 # (torch.func.functional_call): the chain and the heads failed in torch's views.
                 for k, layer in enumerate(self._modules["layers"]._modules.values()):
@@ -344,6 +349,29 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 x = acts[k](x)
         return x
 
+    def _refuse_foreign_input(self, fn: str, x: object) -> None:
+        """Refuse ``x`` if its dtype or device is not the first layer's weight's, naming the model.
+
+        The layers' path (``auto``, ``"layers"``) and ``plan`` fail inside the first layer,
+        whose error names a ``GroupedLinear`` and its ``weight`` that the user never built,
+        and asks to cast "them" to one dtype. Under autocast the layer casts first, and its
+        own error (or none) stands.
+        """
+        first = next(iter(self._modules["layers"]._modules.values()), None)
+        w = None if first is None else first._parameters.get("weight")
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+            return
+        if x.dtype == w.dtype and x.device == w.device:
+            return
+        dev = x.device.type
+        if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+            return
+        raise BlockDiagError(
+            f"{fn}: layers[0].weight is {w.dtype} on {w.device} but the input is {x.dtype} on {x.device}; "
+            f"no strategy runs an input whose dtype or device is not the parameters': pass it as {w.dtype} "
+            f"on {w.device}, or convert the model (model.to(...))"
+        )
+
     def plan(self, x: torch.Tensor) -> MLPPlan:
         """Which strategy runs for ``x``, why, and each layer's plan (print it for a report).
 
@@ -364,6 +392,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
         fn = f"{type(self).__name__}.plan"
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
+        self._refuse_foreign_input(fn, x)
         if not torch.is_grad_enabled() and self._strategy == "auto" and self._random_acts():
             with torch.enable_grad():  # auto decides as in training here (see _auto_strategy)
                 return self.plan(x)
