@@ -30,48 +30,30 @@
 #error "MAXNV must be 3 or 4"
 #endif
 
-/* Inputs per block of the broadcast tile's sum (see tile): BLAS's panels of K are of this order. */
-#ifndef KBLOCK
-#define KBLOCK 256
-#endif
-
 /* C[r, n] (n < nw) = (bias[n]) + sum_k A[r*lda + k] * P[k*ldp + n],  r < RR; NV = ceil(nw/VL).
    RR and NV are compile-time constants at every call (tile_any's switch), so the RR x NV
    accumulators live in registers. P's rows are zero-padded to whole vectors so its loads
-   need no mask: masked weight loads halved the speed in the prototype.
-   The sum runs over blocks of KBLOCK inputs, the first from the bias and each other from zero,
-   and each block's partial sum is added to C once, as BLAS adds its panels of K: one running
-   sum over every input lost about one rounding per input once the total dwarfed a term, a
-   forward error growing with in_features (7x nn.Linear's at 4096, 14x at 65536;
-   tests/test_simd.py bounds it). Up to KBLOCK inputs the tile is what it was (one block). */
+   need no mask: masked weight loads halved the speed in the prototype. */
 INL void CAT(tile, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp, int64_t K,
                         const T* bias, T* c, int64_t ldc, int64_t nw, const int RR, const int NV)
 {
     V acc[8][MAXNV];
     M mk[MAXNV];
-    for (int j = 0; j < NV; j++) mk[j] = MASK(nw - j * VL);
-    int64_t k0 = 0;
-    do {  /* at least one block: K == 0 stores the bias */
-        int64_t k1 = K - k0 > KBLOCK ? k0 + KBLOCK : K;
-        for (int j = 0; j < NV; j++) {
-            V b0 = k0 == 0 && bias ? VLOADM(mk[j], bias + j * VL) : VZERO;
-            for (int r = 0; r < RR; r++) acc[r][j] = b0;
+    for (int j = 0; j < NV; j++) {
+        mk[j] = MASK(nw - j * VL);
+        V b0 = bias ? VLOADM(mk[j], bias + j * VL) : VZERO;
+        for (int r = 0; r < RR; r++) acc[r][j] = b0;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        V w[MAXNV];
+        for (int j = 0; j < NV; j++) w[j] = VLOAD(p + k * ldp + j * VL);
+        for (int r = 0; r < RR; r++) {
+            V s = VSET1(a[r * lda + k]);
+            for (int j = 0; j < NV; j++) acc[r][j] = VFMA(s, w[j], acc[r][j]);
         }
-        for (int64_t k = k0; k < k1; k++) {
-            V w[MAXNV];
-            for (int j = 0; j < NV; j++) w[j] = VLOAD(p + k * ldp + j * VL);
-            for (int r = 0; r < RR; r++) {
-                V s = VSET1(a[r * lda + k]);
-                for (int j = 0; j < NV; j++) acc[r][j] = VFMA(s, w[j], acc[r][j]);
-            }
-        }
-        if (k0 > 0)
-            for (int r = 0; r < RR; r++)
-                for (int j = 0; j < NV; j++) acc[r][j] = VADD(acc[r][j], VLOADM(mk[j], c + r * ldc + j * VL));
-        for (int r = 0; r < RR; r++)
-            for (int j = 0; j < NV; j++) VSTOREM(c + r * ldc + j * VL, mk[j], acc[r][j]);
-        k0 = k1;
-    } while (k0 < K);
+    }
+    for (int r = 0; r < RR; r++)
+        for (int j = 0; j < NV; j++) VSTOREM(c + r * ldc + j * VL, mk[j], acc[r][j]);
 }
 
 /* The tiles of groups g0..g1 for one row tile, when a group's columns are one chunk (N <= MAXNV
