@@ -22,11 +22,11 @@ def _backward(gy, x, weight, has_bias, need_x, need_w):
     """The input gradient from the convolution's own backward; weight and bias gradients as ``loop``'s.
 
     The convolution's own weight and bias gradients (oneDNN's on CPU) sum over the batch far
-    less accurately than ``nn.Linear``'s, and worse the more rows: at 262144 rows the float32
-    bias gradient's error was ~200x ``nn.Linear``'s and the float16 weight gradient's ~400x
-    (8% off), and a bfloat16 weight gradient with one infinite upstream entry came back NaN
-    where ``nn.Linear``'s is +-inf. ``gy_g^T @ x_g`` as one batched product and ``sum`` are
-    what ``nn.Linear`` and the other backends compute.
+    less accurately than ``nn.Linear``'s, the more so the more rows and the lower the
+    precision, and a bfloat16 weight gradient with one infinite upstream entry came back NaN
+    where ``nn.Linear``'s is +-inf (tests/test_backends.py and tests/test_nan_isolation.py
+    bound both). ``gy_g^T @ x_g`` as one batched product and ``sum`` are what ``nn.Linear``
+    and the other backends compute.
     """
     g, o, i = weight.shape
     n = x.shape[0]

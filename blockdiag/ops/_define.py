@@ -558,8 +558,8 @@ def kept_weight_for_backward(ctx, weight: torch.Tensor) -> torch.Tensor:
     the backward from the weight it then keeps (``aot_eager``'s did). A plain weight's
     stand-in is made once per dtype, device and number of dimensions and shared by every graph
     (nothing writes into it: the backward reads only its expansion, which refuses in-place
-    writes): this runs in most training forwards (every first layer), where new tensors per
-    call cost a small product's tenth.
+    writes): this runs in most training forwards (every first layer), where a new tensor per
+    call would be an allocation on the forward path.
     """
     if ctx.needs_input_grad[0] or type(weight) not in _KEEPABLE or torch._C._are_functorch_transforms_active():
         ctx.weight_stand_in_shape = None
