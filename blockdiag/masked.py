@@ -492,9 +492,9 @@ def remove_block_diagonal_mask_(linear: nn.Linear) -> nn.Linear:
         with torch.no_grad():  # weight = rest(mask(original)) = rest(original) once original is masked
             plist.original.masked_fill_(~mask_mod._mask_on(plist.original.device), 0)
         del plist[0]
-    if type(linear).__dict__.get("reset_parameters") is _reset_parameters:
-        del type(linear).reset_parameters  # another parametrization keeps the class
-    for name, fn in (("state_dict", _state_dict), ("_load_from_state_dict", _load_from_state_dict)):
+    # The mask's overrides go; another parametrization keeps the class.
+    for name, fn in (("reset_parameters", _reset_parameters), ("state_dict", _state_dict),
+                     ("_load_from_state_dict", _load_from_state_dict)):
         if type(linear).__dict__.get(name) is fn:
             delattr(type(linear), name)
     for h in hooks:

@@ -357,19 +357,15 @@ class GroupedMLP(StrategyChoice, nn.Module):
         and asks to cast "them" to one dtype. Under autocast the layer casts first, and its
         own error (or none) stands.
         """
-        first = next(iter(self._modules["layers"]._modules.values()), None)
-        w = None if first is None else first._parameters.get("weight")
-        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
-            return
-        if x.dtype == w.dtype and x.device == w.device:
+        w = self._foreign_weight(x)
+        if w is None:
             return
         dev = x.device.type
         if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
             return
         raise BlockDiagError(
             f"{fn}: layers[0].weight is {w.dtype} on {w.device} but the input is {x.dtype} on {x.device}; "
-            f"no strategy runs an input whose dtype or device is not the parameters': pass it as {w.dtype} "
-            f"on {w.device}, or convert the model (model.to(...))"
+            f"{_strategy._foreign_fix(w)}"
         )
 
     def plan(self, x: torch.Tensor) -> MLPPlan:

@@ -217,12 +217,19 @@ class StrategyChoice:
         why = self._chain_refusal(x, traced=traced, strategy=strategy)
         if why is None:
             return None
-        w = next(iter(self._modules["layers"]._modules.values()))._parameters.get("weight")
-        if isinstance(w, torch.Tensor) and (w.dtype != x.dtype or w.device != x.device):
+        w = self._foreign_weight(x)
+        if w is not None:
             # The layers (and so auto) refuse such an input too: another strategy would not help.
-            return (f"strategy={strategy!r} cannot run: {why}; no strategy runs an input whose dtype or device "
-                    f"is not the parameters': pass it as {w.dtype} on {w.device}, or convert the model (model.to(...))")
+            return f"strategy={strategy!r} cannot run: {why}; {_foreign_fix(w)}"
         return f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'"
+
+    def _foreign_weight(self, x: object) -> Optional[torch.Tensor]:
+        """The first layer's weight where ``x``'s dtype or device is not its own, else None."""
+        first = next(iter(self._modules["layers"]._modules.values()), None)
+        w = None if first is None else first._parameters.get("weight")
+        if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and (w.dtype != x.dtype or w.device != x.device):
+            return w
+        return None
 
     def _params_refusal(self, x: torch.Tensor, traced: bool, who: str, activation_sees: str) -> Optional[str]:
         mm = _nn_module
@@ -596,3 +603,9 @@ def _concrete(n) -> bool:
         if not (statically_known_true(n <= v) or statically_known_true(n > v)):
             return False
     return True
+
+
+def _foreign_fix(w: torch.Tensor) -> str:
+    """What to do with an input of another dtype or device than the parameters (``w``)."""
+    return (f"no strategy runs an input whose dtype or device is not the parameters': pass it as {w.dtype} "
+            f"on {w.device}, or convert the model (model.to(...))")
