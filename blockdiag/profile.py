@@ -33,6 +33,7 @@ file changed by another process is found by :func:`changed_on_disk`, which the c
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -207,7 +208,16 @@ _NEWER = "written by a newer blockdiag"
 
 # Reasons a file was not read at all (as opposed to read and found corrupt): their
 # warning says "is not read" and what the path names.
-_NOT_READ = ("not a regular file", "too large", f"ValueError: {_NEWER}")
+_NOT_READ = ("not a regular file", "too large", f"ValueError: {_NEWER}", "not readable")
+
+# Why a path names no file: anything else a stat or an open raises (a directory on the way
+# that this user may not search, a name too long, a loop of links) leaves a file there
+# unread, which is not the same as no file, and is said so.
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+def _unreadable(e: OSError) -> str:
+    return f"not readable: {type(e).__name__}: {e}"
 
 
 def _too_large(size: int) -> str:
@@ -236,11 +246,13 @@ def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
         if len(data) > MAX_PROFILE_BYTES:  # grew since the stat
             return None, _too_large(len(data))
         return _validate(json.loads(data), path), None
-    except FileNotFoundError:
-        return None, None  # removed since the caller's stat: a missing file, not a corrupt one
+    except OSError as e:
+        if e.errno in _MISSING:
+            return None, None  # removed since the caller's stat: a missing file, not a corrupt one
+        return None, _unreadable(e)
     # json.JSONDecodeError (and a UnicodeDecodeError) is a ValueError; a deeply nested
     # document raises RecursionError.
-    except (OSError, ValueError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -257,13 +269,19 @@ def _signature(path: str) -> Optional[tuple]:
     """What a stat says about a file's content: ``(mtime, size, inode)``, None if missing.
 
     The size and the inode catch a rewrite within the file system's timestamp granularity
-    (``write_json_atomic`` renames a new file over the old one: a new inode).
+    (``write_json_atomic`` renames a new file over the old one: a new inode). A stat that
+    fails for another reason than a missing file gives ``("error", errno)``.
     """
+    return _stat(path)[0]
+
+
+def _stat(path: str) -> tuple[Optional[tuple], Optional[str]]:
+    """``(signature, None)``, or ``(("error", errno), why)`` where the stat failed."""
     try:
         st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
+    except OSError as e:
+        return (None, None) if e.errno in _MISSING else (("error", e.errno), _unreadable(e))
+    return (st.st_mtime_ns, st.st_size, st.st_ino), None
 
 
 # Every file whose content (or absence) an answer was built from, with its signature then:
@@ -274,12 +292,12 @@ _seen: dict[str, Optional[tuple]] = {}
 def read_profile(path: Path | str) -> tuple[Optional[dict], Optional[str]]:
     """``(document, None)`` or ``(None, why it is unusable)``; ``(None, None)`` if missing."""
     path = str(path)
-    sig = _signature(path)
+    sig, err = _stat(path)
     if len(_seen) > 256:  # many paths read over time: forget them all, entries included
         _forget()
     _seen[path] = sig
-    if sig is None:
-        return None, None
+    if sig is None or err is not None:
+        return None, err
     return _read(path, sig)
 
 
@@ -292,7 +310,9 @@ def load_entry(device: str, dtype: torch.dtype, path: Path | str | None = None) 
     p = str(path or default_profile_path())
     doc, err = read_profile(p)
     if err is not None:
-        if err.startswith(_NOT_READ):
+        if err.startswith("not readable"):
+            _warn_once(p, f"tuning profile {p} cannot be read ({err.removeprefix('not readable: ')})")
+        elif err.startswith(_NOT_READ):
             _warn_once(p, f"tuning profile {p} is not read, {err.removeprefix('ValueError: ')}")
         else:
             _warn_once(p, f"tuning profile {p} is corrupt ({err})")
@@ -553,6 +573,10 @@ def _save_locked(entry: dict, p: Path, merge) -> Path:
         # Rewritten in this version's format, the newer version's entries would be lost.
         raise BlockDiagError(f"save_entry: refusing to write {p}: it was {err[len('ValueError: '):]}; "
                              "upgrade blockdiag, or name another path")
+    if err is not None and err.startswith("not readable"):
+        # Renamed over, a profile this user cannot read would be lost with its entries.
+        raise BlockDiagError(f"save_entry: refusing to write {p}: it is {err}, and would be replaced unread; "
+                             "fix its permissions, or name another path")
     if err is not None and (err.startswith(_NOT_READ) or err == f"ValueError: not a {FORMAT} file"):
         # Renaming a file over a FIFO or a device would silently replace it; a file too large
         # to be a profile, or JSON of another format, is likely someone's data (a disk image,

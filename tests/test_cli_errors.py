@@ -640,6 +640,22 @@ def test_tune_does_not_replace_a_profile_of_a_newer_blockdiag(tmp_path, monkeypa
     assert target.read_text() == content
 
 
+def test_tune_does_not_replace_a_profile_it_cannot_read(tmp_path, monkeypatch, capsys):
+    # Called "not a blockdiag profile" (advice: remove it) when only its permissions were wrong.
+    target = tmp_path / "p.json"
+    target.write_text("{}")
+
+    def unreadable(p, sig):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(profile.os, "fdopen", unreadable)
+    monkeypatch.setattr("blockdiag.tuning.tune", lambda *a, **k: pytest.fail("the run started"))
+    _refused(["tune", *TINY, "--profile", str(target)], "PermissionError", "cannot read: fix its permissions",
+             capsys=capsys)
+    monkeypatch.undo()
+    assert target.read_text() == "{}"
+
+
 @pytest.mark.parametrize("script", ["bench_simd_ops.py", "bench_simd_blas_grads.py", "bench_mlp_heads.py",
                                     "bench_distributed.py"])
 def test_the_scripts_refuse_a_json_they_cannot_write_and_no_rounds_before_measuring(script, tmp_path, capsys):

@@ -606,3 +606,38 @@ def test_a_profile_of_a_newer_blockdiag_is_not_read_and_not_replaced(tmp_path):
 def test_a_profile_removed_between_the_stat_and_the_read_is_missing_not_corrupt(tmp_path):
     # The warning called a profile deleted in that window "corrupt (FileNotFoundError ...)".
     assert profile._read(str(tmp_path / "gone.json"), (1, 2, 3)) == (None, None)
+
+
+@pytest.mark.parametrize("kind", ["link-loop", "name-too-long"])
+def test_a_profile_path_that_cannot_be_looked_at_warns_once_instead_of_reading_as_missing(tmp_path, kind):
+    # A stat failing for another reason than a missing file (a folder this user may not
+    # search, a name too long, a loop of links) read as "no profile": auto silently ran the
+    # built-in table in place of the user's profile.
+    if kind == "link-loop":
+        (tmp_path / "loop").symlink_to(tmp_path / "loop")
+        path = tmp_path / "loop" / "profile.json"
+    else:
+        path = tmp_path / ("x" * 300) / "profile.json"
+    with pytest.warns(ProfileWarning, match=r"cannot be read \(OSError: \[Errno \d+\]") as rec:
+        assert load(path)[1] == "built-in defaults"
+        assert load(path)[1] == "built-in defaults"
+    assert len(rec) == 1
+    with pytest.raises(BlockDiagError, match="cannot write profile"):
+        profile.save_entry(entry([point(loop=1.0)]), path)
+
+
+def test_save_entry_does_not_replace_a_profile_it_cannot_read(tmp_path, monkeypatch):
+    # Renamed over, a profile this user may not read was lost with its entries ("corrupt").
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)]))
+    text = path.read_text()
+
+    def unreadable(p, sig):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(profile.os, "fdopen", unreadable)
+    with pytest.warns(ProfileWarning, match=r"cannot be read \(PermissionError"):
+        assert load(path)[1] == "built-in defaults"
+    with pytest.raises(BlockDiagError, match="PermissionError.*would be replaced unread; fix its permissions"):
+        profile.save_entry(entry([point(loop=2.0)]), path)
+    monkeypatch.undo()
+    assert path.read_text() == text

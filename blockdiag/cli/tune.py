@@ -40,6 +40,9 @@ def cmd_tune(args) -> int:
     if unreadable is not None and unreadable.startswith(f"ValueError: {prof._NEWER}"):
         raise BlockDiagError(f"{profile_option}: {path} was {unreadable[len('ValueError: '):]}; "
                              "tune does not replace it: upgrade blockdiag, or name another profile")
+    if unreadable is not None and unreadable.startswith("not readable"):
+        raise BlockDiagError(f"{profile_option}: {path} is {unreadable}; tune does not replace a profile it "
+                             "cannot read: fix its permissions, or name another profile")
     if unreadable is not None:
         # It may be something else than a damaged profile (--profile notes.json): not replaced.
         raise BlockDiagError(f"{profile_option}: {path} exists but is not a blockdiag profile ({unreadable}); "
