@@ -11,7 +11,9 @@ w.r.t. ``original`` is exactly zero.
 Checkpoints: ``state_dict()`` stores the masked weight under the plain key ``weight``, so the
 checkpoint loads into an unmasked ``nn.Linear`` too. The entry is ``original`` itself (detached),
 which is zero off the blocks, so in-place loaders (``torch.distributed.checkpoint.load``) write
-the parameter, as they do a plain module's. That holds while the mask is the only
+the parameter, as they do a plain module's; off-block values that reached ``original`` anyway
+(a NaN gradient through ``clip_grad_norm_``, an optimizer state resumed from an unmasked run)
+are never read, and ``state_dict()`` zeroes them first. That holds while the mask is the only
 parametrization of ``weight``; with others stacked on it (``spectral_norm``, a user's), the
 state dict keeps torch's own keys (``parametrizations.weight.original`` and theirs), since the
 masked ``original`` alone is not the weight the module computes. ``load_state_dict`` of a checkpoint
@@ -278,10 +280,37 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         # a plain module's entries share their parameters'. In-place loaders
         # (``torch.distributed.checkpoint.load`` into ``state_dict()``, the pattern of its
         # guide) write into what the state dict holds; a masked copy would take their values
-        # and drop them, leaving the weight as it was. A copy is made only where something
-        # wrote off-block values into ``original`` directly.
-        state_dict[prefix + "weight"] = orig if _zero_off_blocks(orig, mask) else torch.where(mask, orig, 0)
+        # and drop them, leaving the weight as it was. Off-block values that reached
+        # ``original`` anyway are cleared first (see _clear_off_blocks); a copy is made only
+        # where they cannot be.
+        param = module.parametrizations.weight._parameters.get("original")
+        aliasable = _zero_off_blocks(orig, mask) or _clear_off_blocks(param, orig, mask)
+        state_dict[prefix + "weight"] = orig if aliasable else torch.where(mask, orig, 0)
     return state_dict
+
+
+def _clear_off_blocks(param, orig: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Zero ``original`` outside ``mask`` in place if it is the module's own parameter (True if done).
+
+    Off-block values reach ``original`` without anyone writing it directly: a NaN gradient
+    makes ``clip_grad_norm_``'s factor NaN, which turns the exact zero gradients off the
+    blocks NaN, and the step writes them (and an optimizer's momentum keeps them coming);
+    an optimizer state resumed from an unmasked run steps them too. Forward never reads
+    them (the mask selects 0 there) and their gradient is zero, so clearing them changes
+    nothing the module computes, and the state dict's entry can stay the parameter's
+    storage: a masked copy would silently drop what an in-place loader writes into it (a
+    rollback with ``torch.distributed.checkpoint.load`` after a NaN step restored nothing).
+    A tensor ``functional_call`` put in its place belongs to the caller, and tracer and
+    inference tensors cannot be written: those get the masked copy.
+    """
+    if not isinstance(param, nn.Parameter) or torch.compiler.is_compiling():
+        return False
+    local, local_mask = (orig.to_local(), mask.to_local()) if is_dtensor(orig) else (orig, mask)
+    if type(local) not in _PLAIN or (local.is_inference() and not torch.is_inference_mode_enabled()):
+        return False
+    with torch.no_grad():
+        local.masked_fill_(~local_mask, 0)
+    return True
 
 
 def _zero_off_blocks(orig: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -387,6 +387,71 @@ def test_state_dict_loads_in_place_as_torch_distributed_checkpoint_does(tmp_path
     assert sd["weight"].data_ptr() == dst.parametrizations.weight.original.data_ptr()
 
 
+def _nan_step(lin):
+    # One NaN input: clip_grad_norm_'s factor is NaN and multiplies the exact zero gradients
+    # off the blocks, so the step writes NaN into original there (the weight stays masked).
+    optim = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, G * C)
+    x[0, 0] = float("nan")
+    lin(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(lin.parameters(), 1.0)
+    optim.step()
+
+
+def _resumed_step(lin):
+    # An optimizer state resumed from an unmasked run (same parameter order) steps the
+    # entries off the blocks, gradient zero or not.
+    plain = nn.Linear(G * C, G * R)
+    done = torch.optim.SGD([plain.weight, plain.bias], lr=0.1, momentum=0.9)
+    plain(torch.randn(4, G * C)).sum().backward()
+    done.step()
+    optim = torch.optim.SGD([lin.parametrizations.weight.original, lin.bias], lr=0.1, momentum=0.9)
+    optim.load_state_dict(done.state_dict())
+    lin(torch.randn(4, G * C)).sum().backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("step", [_nan_step, _resumed_step], ids=["nan-clipped", "resumed-optimizer"])
+def test_state_dict_loads_in_place_after_original_got_values_off_the_blocks(tmp_path, step):
+    # A rollback with dcp.load(model.state_dict(), ...) after such a step: the weight entry
+    # was a masked copy (original was not zero off the blocks), dcp wrote the checkpoint
+    # into the copy, and the module kept the diverged weights, silently.
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    lin = _reference(0)
+    good = {k: v.clone() for k, v in lin.state_dict().items()}
+    dcp.save({"model": lin.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    step(lin)
+    assert bool((lin.weight[OFF] == 0.0).all())
+    assert not bool((lin.parametrizations.weight.original[OFF] == 0.0).all())  # the premise
+    before = lin(torch.ones(2, G * C))
+    sd = lin.state_dict()
+    # Clearing original's off-block entries changed nothing the module computes.
+    torch.testing.assert_close(lin(torch.ones(2, G * C)), before, rtol=0, atol=0, equal_nan=True)
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    torch.testing.assert_close(lin.weight, good["weight"], rtol=0, atol=0)
+    torch.testing.assert_close(lin.bias, good["bias"], rtol=0, atol=0)
+    assert sd["weight"].data_ptr() == lin.parametrizations.weight.original.data_ptr()
+    _assert_block_diagonal(lin)
+
+
+def test_state_dict_inside_functional_call_copies_and_leaves_the_tensor_passed_alone():
+    # The tensor functional_call puts in original's place is the caller's: state_dict() taken
+    # inside the call masks a copy rather than writing into it.
+    from torch.func import functional_call
+
+    lin = _reference(0)
+    t = torch.ones(G * R, G * C)
+    seen = {}
+
+    def pre(module, args):
+        seen.update(module.state_dict())
+
+    lin.register_forward_pre_hook(pre)
+    functional_call(lin, {"parametrizations.weight.original": t}, (torch.randn(2, G * C),))
+    assert bool((t == 1.0).all())
+    torch.testing.assert_close(seen["weight"], torch.where(~OFF, t, 0), rtol=0, atol=0)
+
+
 class _Scale2(nn.Module):
     """A second parametrization stacked on the mask (a user's reparametrization)."""
 
@@ -657,3 +722,29 @@ def test_a_state_dict_hook_registered_before_masking_sees_the_plain_key():
     sd = nn.Sequential(lin).state_dict()
     assert list(sd) == ["0.bias", "0.weight"] and all(v.dtype == torch.float16 for v in sd.values())
     assert torch.equal(sd["0.weight"], lin.weight.detach().half())
+
+
+def test_functional_call_with_the_plain_weight_key_trains_original_not_the_tensor_passed():
+    # Pins torch's behaviour that docs/concepts.md describes (torch 2.13): functional_call
+    # assigns "weight", which copies it, masked, into original, so the tensor passed gets no
+    # gradient and the module's own parameter does. If torch makes the key disable the
+    # parametrization, as its documentation says, this fails: update the docs then.
+    from torch.func import functional_call
+
+    lin = _reference(0)
+    orig = lin.parametrizations.weight.original
+    before = orig.detach().clone()
+    x = torch.randn(3, G * C)
+    w = torch.randn(G * R, G * C, requires_grad=True)
+    y = functional_call(lin, {"weight": w}, (x,))
+    torch.testing.assert_close(y, nn.functional.linear(x, torch.where(~OFF, w, 0), lin.bias), rtol=0, atol=0)
+    y.sum().backward()
+    assert w.grad is None and orig.grad is not None
+    assert torch.equal(orig, before)  # the values come back after the call
+    # The documented way: the name named_parameters() gives.
+    lin.zero_grad(set_to_none=True)
+    t = torch.randn(G * R, G * C, requires_grad=True)
+    y = functional_call(lin, {"parametrizations.weight.original": t}, (x,))
+    torch.testing.assert_close(y, nn.functional.linear(x, torch.where(~OFF, t, 0), lin.bias), rtol=0, atol=0)
+    y.sum().backward()
+    assert orig.grad is None and bool((t.grad[OFF] == 0.0).all()) and bool((t.grad[~OFF] != 0.0).all())
