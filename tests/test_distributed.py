@@ -20,6 +20,10 @@ The jobs, in order (the 2-rank job loads the 4-rank job's checkpoint):
 * ``masked_meta``: a masked ``nn.Linear`` sharded on its own by FSDP2 from the meta device,
   then ``reset_parameters``.
 * ``outside_mesh``: a model sharded over a mesh of one rank, called on a rank outside it.
+* ``ddp``: ``GroupedLinear`` (several backends), ``GroupedMLP`` (each strategy) and a masked
+  ``nn.Linear`` under ``DistributedDataParallel`` (buckets as gradients, static graph, unused
+  parameters, ``no_sync``, ``ZeroRedundancyOptimizer``) against one process; a masked model
+  trained with the PowerSGD hook, then loaded in place by ``torch.distributed.checkpoint``.
 
 The checkpoint is then loaded once more in this process, with no process group, into a plain
 ``GroupedMLP`` (4 -> 2 -> 1).
@@ -289,6 +293,30 @@ def test_compiled_group_parallel_layer_over_a_warm_compile_cache(tmp, monkeypatc
             assert {"sharded-input-0", "sharded-input-1"} <= r.keys(), r.keys()
             for backend, c in r.items():
                 assert isinstance(c["out"], float) and c["out"] <= F64 and c["grad"] <= F64, (launch, rank, backend, c)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp):
+    return _run_ok("ddp", 2, tmp)
+
+
+def test_ddp_trains_as_one_process_on_the_concatenated_batch(ddp):
+    # Every configuration of DDP that keeps gradients exact: buckets as the gradients' storage,
+    # a static graph, unused-parameter search, no_sync accumulation, ZeroRedundancyOptimizer.
+    for rank, r in enumerate(ddp):
+        assert len(r["ddp"]) >= len(DDP_CONFIGS) * 8, sorted(r["ddp"])
+        for key, c in r["ddp"].items():
+            assert c["diff"] <= DDP_TOL and c["original"] == 0.0 and c["weight"] == 0.0, (rank, key, c)
+
+
+def test_masked_linear_trained_with_powersgd_loads_a_checkpoint_in_place(ddp):
+    # PowerSGD's low-rank gradients put values into `original` off the blocks (never into
+    # `weight`); the state dict's entry was then a masked copy, so dcp.load into
+    # model.state_dict() loaded the biases and silently kept the trained weights.
+    for rank, r in enumerate(ddp):
+        c = r["powersgd"]
+        assert c["trained"]["original"] > 0.0 and c["trained"]["weight"] == 0.0, (rank, c)
+        assert c["loaded"] == 0.0 and c["after_load"] == {"original": 0.0, "weight": 0.0}, (rank, c)
 
 
 def test_a_rank_that_raises_does_not_hang_the_others(tmp):
@@ -1028,6 +1056,124 @@ def _masked_fsdp2(mesh):
             "round_trip": max(_err(_full(v), full[k]) for k, v in net.state_dict().items())}
 
 
+# DDP (data parallelism of the whole model): each configuration below, over 2 ranks of DDP_ROWS rows
+# each, against one process trained on the concatenated batch. SGD with momentum: a step is
+# proportional to the gradient, so a gradient of the wrong scale would show (Adam's would not).
+DDP_CONFIGS = ("plain", "gradient_as_bucket_view", "static_graph", "find_unused_parameters", "no_sync", "zero")
+DDP_STEPS, DDP_ROWS, DDP_TOL = 3, 6, 1e-5
+
+
+def _ddp_models():
+    import blockdiag
+
+    def masked():
+        net = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        blockdiag.mask_block_diagonal_(net[0], 4)
+        blockdiag.mask_block_diagonal_(net[2], 4)
+        return net
+
+    models = {f"linear-{b}": (lambda b=b: blockdiag.GroupedLinear(12, 8, groups=4, backend=b), 12)
+              for b in ("auto", "simd", "bmm", "csr")}
+    for strategy in ("auto", "fm_chain", "heads", "layers"):
+        models[f"mlp-{strategy}"] = (lambda s=strategy: blockdiag.GroupedMLP(3, [4, 3], 2, heads=4, strategy=s), 3)
+    models["masked"] = (masked, 12)
+    return {k: v for k, v in models.items() if k != "linear-simd" or _simd_available()}
+
+
+def _simd_available():
+    import blockdiag
+
+    return next(b.available for b in blockdiag.list_backends() if b.name == "simd")
+
+
+def _off_blocks(net):
+    """The largest magnitude outside the blocks, of ``original`` and of ``weight``, over masked layers."""
+    worst = {"original": 0.0, "weight": 0.0}
+    for m in net.modules():
+        if hasattr(m, "parametrizations"):
+            off = ~m.parametrizations.weight[0].mask
+            for key, w in (("original", m.parametrizations.weight.original), ("weight", m.weight)):
+                worst[key] = max(worst[key], float(w.detach()[off].abs().max()))
+    return worst
+
+
+def _ddp_train(rank, world, make, width, config):
+    """(the largest parameter difference from one process, the model) after DDP_STEPS steps."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ref = make()
+    net = copy.deepcopy(ref)
+    kw = {config: True} if config in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters") else {}
+    ddp = DDP(net, **kw)
+    opt_kw = {"lr": 0.5, "momentum": 0.9}
+    if config == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, **opt_kw)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), **opt_kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), **opt_kw)
+    gen = torch.Generator().manual_seed(1)
+    mine = slice(rank * DDP_ROWS, (rank + 1) * DDP_ROWS)
+    for _ in range(DDP_STEPS):
+        xs = [torch.randn(world * DDP_ROWS, width, generator=gen) for _ in range(2 if config == "no_sync" else 1)]
+        if config == "no_sync":  # two micro-batches, the first accumulated locally
+            with ddp.no_sync():
+                ddp(xs[0][mine]).square().mean().backward()
+        ddp(xs[-1][mine]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(x).square().mean() for x in xs).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = max(_err(a.detach(), b.detach()) for a, b in zip(net.parameters(), ref.parameters()))
+    return diff, net
+
+
+def _job_ddp(rank, world, tmp):
+    """GroupedLinear, GroupedMLP and a masked nn.Linear under DDP, against one process; a masked
+    model trained with PowerSGD (gradients non-zero off the blocks) checkpointed in place."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {"ddp": {}}
+    for name, (make, width) in _ddp_models().items():
+        for config in DDP_CONFIGS:
+            diff, net = _ddp_train(rank, world, make, width, config)
+            out["ddp"][f"{config}/{name}"] = {"diff": diff, **_off_blocks(net)}
+
+    # PowerSGD replaces each gradient by a low-rank approximation of the whole [G*out, G*in]
+    # matrix, which is not zero off the blocks: `original` takes values there, `weight` not.
+    make, width = _ddp_models()["masked"]
+    torch.manual_seed(0)
+    net = make()
+    ckpt = os.path.join(tmp, f"ddp-ckpt-{rank}")
+    dcp.save(net.state_dict(), checkpoint_id=ckpt, no_dist=True)  # each rank its own copy
+    ddp = DDP(net)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    torch.manual_seed(2)
+    for _ in range(4):
+        ddp(torch.randn(DDP_ROWS, width)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = _off_blocks(net)
+    sd = net.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt, no_dist=True)  # in place, as the checkpoint guide does
+    torch.manual_seed(0)
+    fresh = make()
+    loaded = max(_err(a, b) for a, b in zip(net.state_dict().values(), fresh.state_dict().values()))
+    out["powersgd"] = {"trained": trained, "after_load": _off_blocks(net), "loaded": loaded}
+    dist.barrier()
+    return out
+
+
 def _job_masked_meta(rank, world, tmp):
     """FSDP2's deferred init of a masked nn.Linear sharded on its own (per layer, then the root),
     from the meta device: reset_parameters initialises ``original`` within the blocks."""
@@ -1101,7 +1247,7 @@ def _job_raise(rank, world, tmp):
 
 
 JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled, "masked_meta": _job_masked_meta,
-        "outside_mesh": _job_outside_mesh}
+        "outside_mesh": _job_outside_mesh, "ddp": _job_ddp}
 
 
 def _worker(rank, job, world, tmp):

@@ -452,6 +452,29 @@ def test_state_dict_inside_functional_call_copies_and_leaves_the_tensor_passed_a
     torch.testing.assert_close(seen["weight"], torch.where(~OFF, t, 0), rtol=0, atol=0)
 
 
+def test_state_dict_loads_in_place_after_original_got_off_block_values(tmp_path):
+    # DDP's PowerSGD hook steps `original` with a low-rank gradient that is non-zero off the
+    # blocks (tests/test_distributed.py trains one so); the state dict's entry was then a
+    # masked copy, so dcp.load(model.state_dict()) loaded the bias and silently not the weight.
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    src = _reference(0)
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    dst = _reference(1)
+    orig = dst.parametrizations.weight.original
+    with torch.no_grad():
+        orig[OFF] = torch.linspace(-1.0, 1.0, int(OFF.sum()))
+        orig[0, -1] = float("nan")
+    before = dst.weight.detach().clone()
+    sd = dst.state_dict()
+    # Nothing that forward computes changed; only the entries the mask selects away are zeroed.
+    torch.testing.assert_close(dst.weight, before, rtol=0, atol=0)
+    assert sd["weight"].data_ptr() == orig.data_ptr()
+    _assert_block_diagonal(dst)
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    torch.testing.assert_close(dst.weight, src.weight, rtol=0, atol=0)
+    torch.testing.assert_close(dst.bias, src.bias, rtol=0, atol=0)
+
+
 class _Scale2(nn.Module):
     """A second parametrization stacked on the mask (a user's reparametrization)."""
 
