@@ -916,6 +916,29 @@ def test_the_summary_labels_every_figure():
     assert "a new figure" in lines[-1] and "_fastest" not in text and "a_new" not in text
 
 
+def test_each_count_says_how_many_points_it_is_of():
+    # "points where auto's choice is within 1.10 of the fastest  3" read as 3 of the run's
+    # points, where it was 3 of those whose choice was timed (and likewise the others).
+    from blockdiag.cli import _format as fmt
+    from blockdiag.tuning._bench import summarize
+
+    def row(auto, times, fastest):
+        return {"mode": "forward", "batch": 8, "groups": 2, "block_in": 4, "block_out": 4, "auto": auto,
+                "times_us": times, "fastest": fastest, "auto_us": 10.0, "fraction_of_ideal": 0.5,
+                "auto_over_fastest": 10.0 / times[fastest]}
+
+    rows = [row("bmm", {"bmm": 10.0, "dense": 9.5}, "dense"), row("simd", {"bmm": 10.0, "dense": 20.0}, "bmm"),
+            row("bmm", {"bmm": 5.0, "dense": 6.0}, "bmm")]
+    s = summarize(rows)["forward"]
+    text = fmt.summary_lines("forward", s)
+    assert re.search(r"auto is within 1\.10 of the fastest +2 of 3$", text, re.M), text
+    assert re.search(r"auto's choice is within 1\.10 of the fastest +2 of 2$", text, re.M), text
+    assert "choice points" not in text and "rated points" not in text
+    # A summary from before the denominators were recorded shows the bare count.
+    old = fmt.summary_lines("forward", {"choice_within_1.10": 4})
+    assert old.splitlines()[1].endswith(" 4"), old
+
+
 @pytest.mark.parametrize("cost,says", [(-17.9, "below zero: less than this run's timing noise"), (3.2, None)])
 def test_a_negative_dispatch_cost_is_called_noise(cost, says):
     from blockdiag.cli import _format as fmt

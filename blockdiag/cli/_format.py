@@ -161,16 +161,21 @@ def ratio(v: float | None, width: int = 7) -> str:
 
 # --- summaries: a few labelled lines ---------------------------------------------------------
 
+# The counts' denominators (how many points each count is of), shown as "N of M" on the
+# counts' lines rather than on lines of their own.
+DENOMINATORS = ("rated_points", "choice_points", "builtin_points")
+
 # bench's summary (tuning.summarize): the JSON keys, labelled for people, in this order.
 BENCH_SUMMARY = (
     ("points", "points", "{}"),
     ("geomean_auto_over_fastest", "auto over the fastest backend, geometric mean", "{:.3f}"),
     ("max_auto_over_fastest", "auto over the fastest backend, worst", "{:.3f}"),
     ("worst_point", "  at", "{}"),
-    ("within_1.10", "points where auto is within 1.10 of the fastest", "{}"),
-    ("beyond_1.10_beyond_noise", "points where auto is beyond 1.10 of the fastest beyond the rounds' noise", "{}"),
+    ("within_1.10", "points where auto is within 1.10 of the fastest", "{} of {rated_points}"),
+    ("beyond_1.10_beyond_noise", "points where auto is beyond 1.10 of the fastest beyond the rounds' noise",
+     "{} of {points_with_interval}"),
     ("geomean_choice_over_fastest", "auto's choice forced over the fastest, geometric mean", "{:.3f}"),
-    ("choice_within_1.10", "points where auto's choice is within 1.10 of the fastest", "{}"),
+    ("choice_within_1.10", "points where auto's choice is within 1.10 of the fastest", "{} of {choice_points}"),
     ("geomean_auto_over_choice", "auto over its choice forced by name (the choosing's cost), geometric mean",
      "{:.3f}"),
     ("geomean_auto_over_kernel", "auto over its choice's bare kernel (the whole dispatch's cost), geometric mean",
@@ -178,7 +183,8 @@ BENCH_SUMMARY = (
     ("median_dispatch_overhead_us", "dispatch cost, median", "{:.1f} us"),
     ("geomean_builtin_choice_over_fastest", "the built-in table's choice over the fastest, geometric mean",
      "{:.3f}"),
-    ("builtin_choice_within_1.10", "points where the built-in choice is within 1.10 of the fastest", "{}"),
+    ("builtin_choice_within_1.10", "points where the built-in choice is within 1.10 of the fastest",
+     "{} of {builtin_points}"),
     ("geomean_choice_over_builtin_choice", "the profile's choice over the built-in one, geometric mean",
      "{:.3f}"),
     ("choices_differing_from_builtin", "points where the profile and the built-in table differ", "{}"),
@@ -221,21 +227,22 @@ def _note(key: str, v) -> str:
     return ""
 
 
-def _value(fmt: str, v) -> str:
+def _value(fmt: str, v, s: dict) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     try:
-        return fmt.format(v)
-    except (TypeError, ValueError):
-        return str(v)
+        return fmt.format(v, **s)
+    except (TypeError, ValueError, KeyError, IndexError):
+        # A count without its denominator (a summary from before they were recorded).
+        return fmt.split(" of {")[0].format(v) if " of {" in fmt else str(v)
 
 
 def summary_lines(title: str, s: dict, labels: Sequence[tuple[str, str, str]] = BENCH_SUMMARY,
                   skip: Sequence[str] = ()) -> str:
     """``title:`` then one aligned ``label  value`` line per figure of ``s`` (unlabelled keys
     last, under their own names, so that nothing the JSON has is hidden)."""
-    known = {k for k, _, _ in labels}
-    rows = [(label, _value(fmt, s[k]) + _note(k, s[k])) for k, label, fmt in labels if s.get(k) is not None]
+    known = {k for k, _, _ in labels} | set(DENOMINATORS)
+    rows = [(label, _value(fmt, s[k], s) + _note(k, s[k])) for k, label, fmt in labels if s.get(k) is not None]
     rows += [(k.replace("_", " "), str(v)) for k, v in s.items() if k not in known and k not in skip]
     width = max((len(label) for label, _ in rows), default=0)
     return "\n".join([f"{title}:", *(f"  {label:{width}s}  {v}" for label, v in rows)])

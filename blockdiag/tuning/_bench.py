@@ -219,6 +219,7 @@ def summarize(rows: Sequence[dict]) -> dict:
                 "max_auto_over_fastest": round(max(ratios), 4),
                 "worst_point": f"B={worst['batch']} G={worst['groups']} {worst['block_in']}x{worst['block_out']}",
                 "within_1.10": sum(x <= 1.10 for x in ratios),
+                "rated_points": len(rated),
             })
         s["median_fraction_of_ideal"] = round(statistics.median(r["fraction_of_ideal"] for r in rs), 4)
         # The same verdict with each point's interval (rows from before intervals lack it).
@@ -232,6 +233,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         if chosen:
             s["geomean_choice_over_fastest"] = round(_geomean(chosen), 4)
             s["choice_within_1.10"] = sum(x <= 1.10 for x in chosen)
+            s["choice_points"] = len(chosen)
         # Under a tuning profile: the built-in table's choice at the same points, in the
         # same run, and the profile's choice over it (below 1: the profile chose better).
         vs = [
@@ -242,6 +244,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         if vs:
             s["geomean_builtin_choice_over_fastest"] = round(_geomean([b / f for b, _, f in vs]), 4)
             s["builtin_choice_within_1.10"] = sum(b / f <= 1.10 for b, _, f in vs)
+            s["builtin_points"] = len(vs)
             s["geomean_choice_over_builtin_choice"] = round(_geomean([c / b for b, c, _ in vs]), 4)
             s["choices_differing_from_builtin"] = sum(r["builtin_choice"] != r["auto"] for r in rs if "builtin_choice" in r)
         # What choosing costs: auto over the same backend forced by name, both through the
