@@ -175,11 +175,14 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
 
     Both backends get fresh inputs and ``rounds`` interleaved rounds. The rematch decides
     the pair's ratio, not its level: their times in ``m["times_us"]`` become the rematch's,
-    scaled so that the pair's geometric mean stays the first pass's. The other backends'
-    times are from the first pass, and a machine that ran slower (or faster) during the
-    rematch must not move the pair past them: unscaled, a rematch on a machine slowed
-    down meanwhile would push both of the pair behind a third backend that neither was
-    timed against in the rematch, and hand it the point.
+    scaled so that the faster of the two gets the first pass's time of its winner, the
+    fastest of all backends then. The other backends' times are from the first pass, and a
+    machine that ran slower (or faster) during the rematch must not move the pair past them:
+    unscaled, a rematch on a machine slowed down meanwhile would push both of the pair behind
+    a third backend that neither was timed against in the rematch, and hand it the point.
+    (Scaled to keep the pair's geometric mean, a rematch that found the two about equal put
+    both above a third backend slower than the winner, which the table then chose, against
+    both passes.)
     ``m["rematch"]`` records the first pass's times, the rematch's own and the outcome. A
     backend that raises in the rematch keeps its first time (and then nothing is scaled).
 
@@ -200,7 +203,7 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
     before = {n: m["times_us"][n] for n in pair}
     scale = 1.0
     if len(times) == len(pair) and all(t > 0 for t in times.values()):
-        scale = math.prod(before[n] / (times[n] * 1e6) for n in pair) ** (1.0 / len(pair))
+        scale = min(before.values()) / (min(times.values()) * 1e6)
     for n, t in times.items():
         m["times_us"][n] = round(t * 1e6 * scale, 3)
     kept = min(pair, key=lambda n: m["times_us"][n])
