@@ -9,7 +9,9 @@ differentiable with respect to ``blocks`` and the gradient is compact (never a d
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -288,6 +290,19 @@ def _blocks_from_coo(
 _SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
+def _scipy_sparse(fn: str):
+    """``scipy.sparse``, imported on first use: SciPy is an optional dependency.
+
+    Raises:
+        ImportError: naming ``fn`` and how to install SciPy, where it is not installed.
+    """
+    try:
+        return importlib.import_module("scipy.sparse")
+    except ImportError as e:
+        raise ImportError(f"{fn} needs SciPy, which is not installed: pip install 'scipy>=1.10' "
+                          f"(or the blockdiag checkout's scipy extra, pip install -e '.[scipy]')") from e
+
+
 def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
     """Extract the ``[G, r, c]`` diagonal blocks of a block-diagonal matrix.
 
@@ -313,11 +328,12 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
     """
     fn = "to_blocks"
     if not isinstance(matrix, torch.Tensor):
-        import scipy.sparse as sp
-
+        # A scipy matrix means scipy.sparse is imported already: without it, none can exist
+        # here, and SciPy (an optional dependency) is not imported to say so.
+        sp = sys.modules.get("scipy.sparse")
         check(
             fn,
-            sp.issparse(matrix),
+            sp is not None and sp.issparse(matrix),
             f"matrix must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
         )
         check(fn, len(matrix.shape) == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
@@ -417,10 +433,10 @@ def to_scipy(matrix: torch.Tensor):
         BlockDiagError: for tensors that are not 2-D, on the meta device, of a dtype numpy
             lacks (bfloat16, float8, complex32) or float16, hybrid COO tensors, or of an
             unsupported layout.
+        ImportError: where SciPy (an optional dependency) is not installed.
     """
-    import scipy.sparse as sp
-
     fn = "to_scipy"
+    sp = _scipy_sparse(fn)
     check(fn, isinstance(matrix, torch.Tensor), f"matrix must be a tensor, got {type(matrix).__name__}")
     check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
     name = str(matrix.dtype).removeprefix("torch.")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
-import scipy.linalg
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +32,16 @@ def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     >>> reference_scipy(torch.ones(1, 4), torch.ones(2, 1, 2), None)
     tensor([[2., 2.]])
+
+    Raises:
+        ImportError: where SciPy (an optional dependency) is not installed.
     """
-    w = scipy.linalg.block_diag(*weight.detach().cpu().double().numpy())
+    try:
+        linalg = importlib.import_module("scipy.linalg")
+    except ImportError as e:
+        raise ImportError("reference_scipy needs SciPy, which is not installed: pip install 'scipy>=1.10'; "
+                          "reference_loop needs nothing more than torch") from e
+    w = linalg.block_diag(*weight.detach().cpu().double().numpy())
     y = x.detach().cpu().double().numpy() @ w.T
     if bias is not None:
         y = y + bias.detach().cpu().double().numpy()

@@ -1,9 +1,11 @@
 """The source itself: what a reviewer would otherwise have to catch by eye."""
 
 import ast
+import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,46 @@ def test_pyproject_gives_every_dependency_a_floor():
     floors = (">=", ">", "==", "~=", "===")
     unbounded = [r for r in reqs if not any(s.operator in floors for s in Requirement(r).specifier)]
     assert not unbounded, f"pyproject.toml: no lower bound for {unbounded}"
+
+
+def test_everything_but_the_scipy_interop_runs_without_scipy(tmp_path):
+    # SciPy is optional (pyproject.toml): the layers, the builders, the chooser, the CLI and
+    # blockdiag.testing's loop reference must run where it is not installed, and the scipy
+    # functions must say how to install it rather than fail with a bare ModuleNotFoundError.
+    script = textwrap.dedent("""
+        import subprocess, sys
+        sys.modules["scipy"] = None  # as if not installed: importing it raises ImportError
+        import torch, blockdiag
+        from blockdiag import GroupedLinear, GroupedMLP, BlockDiagError
+        from blockdiag.testing import reference_loop, reference_scipy
+        blocks = torch.randn(2, 3, 4)
+        for backend in ("auto", "loop", "dense", "bmm", "csr", "bsr"):
+            m = GroupedLinear(8, 6, groups=2, backend=backend)
+            x = torch.randn(5, 8, requires_grad=True)
+            m(x).sum().backward()
+            torch.testing.assert_close(m(x), reference_loop(x, m.weight, m.bias))
+        GroupedMLP(8, 6, 2, heads=2)(torch.randn(3, 8)).sum().backward()
+        for build in (blockdiag.block_diag_dense, blockdiag.block_diag_csr, blockdiag.block_diag_bsr,
+                      blockdiag.block_diag_coo):
+            torch.testing.assert_close(blockdiag.to_blocks(build(blocks), 2), blocks)
+        try:
+            blockdiag.to_blocks([[1.0]], 1)
+        except BlockDiagError as e:
+            assert "scipy sparse matrix, got list" in str(e), e
+        for call in (lambda: blockdiag.to_scipy(torch.eye(4)), lambda: blockdiag.from_scipy(object(), 1),
+                     lambda: reference_scipy(torch.ones(1, 4), torch.ones(2, 1, 2), None)):
+            try:
+                call()
+            except ImportError as e:
+                assert "needs SciPy" in str(e) and "pip install" in str(e), e
+            except BlockDiagError as e:
+                assert "scipy sparse matrix, got object" in str(e), e
+            else:
+                raise AssertionError("ran without scipy")
+        from blockdiag.cli import main
+        assert main(["explain", "--batch", "4", "--groups", "2", "--block", "4x3"]) == 0
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "BLOCKDIAG_PROFILE": str(tmp_path / "p.json")})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

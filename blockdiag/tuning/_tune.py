@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import math
 from typing import Iterable, Optional, Sequence, TextIO
 
 import torch
