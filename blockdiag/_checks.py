@@ -74,6 +74,27 @@ def check_float(fn_name: str, arg: str, t: torch.Tensor) -> None:
     check(fn_name, t.is_floating_point(), f"{arg} must have a floating dtype, got {t.dtype}")
 
 
+def check_not_erased(fn_name: str, **tensors: object) -> None:
+    """Refuse an operand that ``torch.compile``'s freezing discarded, naming it and the setting.
+
+    With ``torch._inductor.config.freezing_discard_parameters`` the compiled graph keeps its
+    own copy of each parameter and swaps the module's for an ``ErasedTensor`` on the meta
+    device: torch's own ops then say the module ran after freezing, but blockdiag's checks
+    come first and would blame a device mismatch (or a DTensor) and ask to move the tensors.
+    Called only on a path that is about to refuse, so a call that runs pays nothing.
+    """
+    for k, t in tensors.items():
+        cls = type(t)
+        if cls.__name__ == "ErasedTensor" and cls.__module__ == "torch._inductor.freezing":
+            raise BlockDiagError(
+                f"{fn_name}: {k} was discarded by torch.compile's freezing "
+                "(torch._inductor.config.freezing_discard_parameters=True): after freezing the module "
+                "runs only as the graphs already compiled, and an eager call or a recompile (another "
+                "input shape, a changed setting) needs its parameters; set freezing_discard_parameters=False "
+                "to keep them"
+            )
+
+
 def check_same_device_dtype(fn_name: str, **tensors: torch.Tensor | None) -> None:
     """Check that all given tensors share one device and one dtype."""
     items = [(k, v) for k, v in tensors.items() if v is not None]
@@ -81,6 +102,8 @@ def check_same_device_dtype(fn_name: str, **tensors: torch.Tensor | None) -> Non
         return
     k0, t0 = items[0]
     for k, t in items[1:]:
+        if t.device != t0.device:
+            check_not_erased(fn_name, **dict(items))
         check(
             fn_name,
             t.device == t0.device,

@@ -1805,6 +1805,44 @@ def test_compiled_autograd_traces_the_backward_in_one_graph(name, forward):
     assert len(graphs) == 1, f"{len(graphs)} compiled autograd graphs"
 
 
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: GroupedLinear(G * I, G * O, G, backend="bmm"), id="GroupedLinear"),
+    pytest.param(lambda: GroupedMLP(I, [5], O, heads=G, shared_input=False, strategy="layers"), id="mlp-layers"),
+    pytest.param(lambda: GroupedMLP(I, [5], O, heads=G, shared_input=False, strategy="fm_chain"), id="mlp-fm_chain"),
+])
+def test_a_module_frozen_with_its_parameters_discarded_says_so(make):
+    # Inductor's freezing with freezing_discard_parameters swaps the module's parameters for
+    # meta-device ErasedTensors once the graph is built. The frozen graph ran right, but an
+    # eager call (as a recompile at another shape makes) was refused as a device mismatch
+    # ("weight is on meta but input is on cpu; move them to one device") or, for the chain,
+    # as a DTensor: nn.Linear's own error there names the freezing.
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(N, G * I)
+    with torch.no_grad():
+        want = model(x)
+        with torch._inductor.config.patch(freezing=True, freezing_discard_parameters=True):
+            got = torch.compile(model, fullgraph=True)(x)
+        torch.testing.assert_close(got, want)
+        with pytest.raises(BlockDiagError, match="discarded by torch.compile's freezing .*freezing_discard_parameters=False"):
+            model(x)
+
+
+def test_the_heads_strategy_frozen_with_max_autotune_uses_each_heads_weight():
+    # Freezing folds the parameters into constants, and max-autotune's CPU GEMM template read
+    # a constant that is a view at a storage offset from offset 0: every head of the heads
+    # strategy (F.linear on views of the grouped weight) computed with head 0's weight,
+    # silently (outputs off by order 1), where a loop of nn.Linear heads runs right.
+    torch.manual_seed(0)
+    model = GroupedMLP(I, [], O, heads=2, strategy="heads").eval()
+    x = torch.randn(N, I)
+    with torch.no_grad():
+        want = model(x)
+        with torch._inductor.config.patch(freezing=True):
+            got = torch.compile(model, fullgraph=True, mode="max-autotune-no-cudagraphs")(x)
+    torch.testing.assert_close(got, want)
+
+
 def test_compiled_auto_serves_new_group_counts_and_symbolic_shapes():
     # A second group count makes the weight's sizes symbolic (automatic dynamic shapes): auto
     # planned with them and failed ("unhashable type: non-nested SymInt", "groups must be an

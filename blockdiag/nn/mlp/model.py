@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -39,6 +40,23 @@ def _make_activation(fn: str, arg: str, make: object) -> object:
             f"{fn}: {arg} must be a factory that makes a module when called with no argument ({hint}); "
             f"calling {getattr(make, '__name__', repr(make))}() raised TypeError: {e}"
         ) from e
+
+
+def _frozen_trace(x: torch.Tensor, layers: Sequence[GroupedLinear]) -> bool:
+    """Whether this call is traced for an inference graph that inductor's freezing may fold.
+
+    ``torch._inductor.config.freezing`` is read only where torch has imported it (it does to
+    compile); freezing folds a graph's parameters only where nothing in it needs a gradient.
+    """
+    if not torch.compiler.is_compiling():
+        return False
+    cfg = sys.modules.get("torch._inductor.config")
+    if cfg is None or not cfg.freezing:
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not x.requires_grad and not any(
+        t is not None and t.requires_grad for layer in layers for t in layer._parameters.values())
 
 
 class GroupedMLP(StrategyChoice, nn.Module):
@@ -360,6 +378,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
         w = self._foreign_weight(x)
         if w is None:
             return
+        self._refuse_erased(fn)
         dev = x.device.type
         if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
             return
@@ -478,11 +497,18 @@ class GroupedMLP(StrategyChoice, nn.Module):
         if len(layers) > 1 and not self._records(x, layers) and torch._C._get_tracing_state() is None:
             acts = tuple(_in_place(a) for a in acts)  # each head's hidden tensor is its own
         weights, biases = [], []
+        frozen = _frozen_trace(x, layers)
         for layer in layers:
             p = layer._parameters
             w, b = p["weight"], p["bias"]
             # [groups, out, in]; the shared first layer's one group holds every head's rows.
-            weights.append(w.view(hds, w.shape[0] * w.shape[1] // hds, w.shape[2]).unbind(0))
+            w = w.view(hds, w.shape[0] * w.shape[1] // hds, w.shape[2])
+            # Inductor's freezing folds the parameters into constants, and with max-autotune
+            # its CPU GEMM template reads a constant that is a view at a storage offset (every
+            # head's weight but the first) from the offset 0: every head computed with head 0's
+            # weight. A copy per head is a constant of its own; freezing folds it at compile
+            # time, so the frozen graph pays nothing for it.
+            weights.append(tuple(torch.select_copy(w, 0, g) for g in range(hds)) if frozen else w.unbind(0))
             biases.append((None,) * hds if b is None else b.view(hds, b.shape[0] // hds).unbind(0))
         xs = (x,) * hds if self.shared_input else x.split(self.in_features, -1)
         n_act = len(acts)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..._checks import check_not_erased
 from ... import settings as _settings
 from ...dispatch import ONE_INPUT_RULE, UPCAST_RULE, Plan, half_upcast
 from ...ops._define import saved_tensors_hooked
@@ -217,11 +218,22 @@ class StrategyChoice:
         why = self._chain_refusal(x, traced=traced, strategy=strategy)
         if why is None:
             return None
+        self._refuse_erased(type(self).__name__)
         w = self._foreign_weight(x)
         if w is not None:
             # The layers (and so auto) refuse such an input too: another strategy would not help.
             return f"strategy={strategy!r} cannot run: {why}; {_foreign_fix(w)}"
         return f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'"
+
+    def _refuse_erased(self, fn: str) -> None:
+        """Raise if ``torch.compile``'s freezing discarded a layer's parameter (see ``check_not_erased``).
+
+        Such a parameter is a meta-device subclass, which the refusals would otherwise call
+        an input on another device or a DTensor.
+        """
+        check_not_erased(fn, **{f"layers[{k}].{n}": p
+                                for k, layer in enumerate(self._modules["layers"]._modules.values())
+                                for n, p in layer._parameters.items()})
 
     def _foreign_weight(self, x: object) -> Optional[torch.Tensor]:
         """The first layer's weight where ``x``'s dtype or device is not its own, else None."""
