@@ -137,8 +137,10 @@ def _sparse_csr(w: torch.Tensor, own_indices: bool = False) -> torch.Tensor:
         small = lay.nnz <= torch.iinfo(torch.int32).max
         crow, col = lay.csr_indices(w.device, torch.int32 if small else torch.int64)
     # Row k of block g holds W[g, k % r, :]: the CSR values are W flattened, no gather needed.
+    # device=: torch's sparse constructors put the matrix on the default device (a
+    # ``torch.device(...)`` context, ``set_default_device``), not on their operands'.
     return torch.sparse_csr_tensor(
-        crow, col, w.reshape(-1), lay.shape, check_invariants=False
+        crow, col, w.reshape(-1), lay.shape, device=w.device, check_invariants=False
     )
 
 
@@ -155,8 +157,8 @@ def _sparse_bsr(w: torch.Tensor, blocksize: tuple[int, int], own_indices: bool =
     crow, col = lay.bsr_indices(blocksize, w.device)
     if own_indices:  # see _sparse_csr
         crow, col = crow.clone(), col.clone()
-    return torch.sparse_bsr_tensor(
-        crow, col, _bsr_values(w, blocksize), lay.shape, check_invariants=False
+    return torch.sparse_bsr_tensor(  # device=: see _sparse_csr
+        crow, col, _bsr_values(w, blocksize), lay.shape, device=w.device, check_invariants=False
     )
 
 
@@ -247,6 +249,7 @@ def block_diag_coo(blocks: Blocks) -> torch.Tensor:
         lay.coo_indices(w.device).clone(),
         w.reshape(-1),
         lay.shape,
+        device=w.device,  # see _sparse_csr
         is_coalesced=True,
         check_invariants=False,
     )
@@ -490,7 +493,9 @@ def to_scipy(matrix: torch.Tensor):
 def _numpy_has(dtype: torch.dtype) -> bool:
     """Whether numpy has ``dtype`` (bfloat16, the float8 types and complex32 it has not)."""
     try:
-        torch.empty(0, dtype=dtype).numpy()
+        # On the CPU whatever the default device (a ``torch.device(...)`` context,
+        # ``set_default_device``): .numpy() of a tensor elsewhere is a TypeError too.
+        torch.empty(0, dtype=dtype, device="cpu").numpy()
     except TypeError:
         return False
     return True

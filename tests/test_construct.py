@@ -304,6 +304,41 @@ def test_to_blocks_of_a_sparse_meta_matrix_gives_meta_blocks(layout):
     assert blocks.is_meta and blocks.shape == (2, 3, 4)
 
 
+@pytest.mark.parametrize("layout", ["csr", "bsr", "coo"])
+def test_sparse_builders_keep_the_blocks_device_under_another_default_device(layout):
+    # torch's sparse constructors put a matrix on the default device, not on their values':
+    # under torch.device("meta") (set_default_device("cuda") alike) CPU blocks gave a meta
+    # matrix, whose values were no longer the blocks' storage.
+    w = torch.randn(2, 3, 4)
+    with torch.device("meta"):
+        m = BUILDERS[layout][0](w)
+    assert m.device == w.device and m.values().data_ptr() == w.data_ptr()
+    torch.testing.assert_close(m.to_dense(), block_diag_dense(w))
+
+
+@pytest.mark.parametrize("name", ["csr", "bsr"])
+def test_sparse_backends_on_cpu_operands_under_another_default_device(name):
+    # Their product ran on a meta matrix: NotImplementedError from torch's sparse addmm.
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 8, requires_grad=True), torch.randn(2, 3, 4, requires_grad=True), torch.randn(6)
+    want = blockdiag.testing.reference_loop(x.detach(), w.detach(), b)
+    with torch.device("meta"):
+        y = blockdiag.grouped_linear(x, w, b, backend=name)
+        y.sum().backward()
+    assert y.device == x.device and x.grad.device == x.device and w.grad.device == w.device
+    torch.testing.assert_close(y.detach(), want)
+
+
+def test_to_scipy_under_another_default_device():
+    # numpy's dtypes were probed with a tensor on the default device: on meta (or CUDA) its
+    # .numpy() failed, and every matrix was refused as "float32, which numpy ... do not have".
+    w = torch.randn(2, 3, 4)
+    with torch.device("meta"):
+        got = [to_scipy(f(w)).toarray() for f in (block_diag_dense, block_diag_csr)]
+    for a in got:
+        np.testing.assert_array_equal(a, block_diag_dense(w).numpy())
+
+
 def test_to_scipy_refuses_meta_and_resolves_conjugate_and_negative_views():
     with pytest.raises(BlockDiagError, match=r"to_scipy: matrix is on the meta device"):
         to_scipy(torch.empty(2, 2, device="meta"))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import blockdiag
 from blockdiag import Problem, dispatch, profile, tuning
@@ -140,6 +141,37 @@ def test_replacing_measure_on_the_package_reaches_tune_and_bench(monkeypatch):
     assert calls == [["bmm", "loop"]] and got["measurements"][0]["times_us"] == {"loop": 1.0, "bmm": 2.0}
     rows = tuning.bench(grid, modes=("forward",), backends=["loop"], baselines=False, memory=False)
     assert "auto" in calls[1] and "loop" in calls[1] and rows[0]["times_us"] == {"loop": 1.0}
+
+
+@pytest.mark.parametrize("context", [
+    pytest.param(torch.no_grad, id="no_grad"),
+    pytest.param(lambda: torch.set_grad_enabled(False), id="set_grad_enabled"),
+    pytest.param(torch.inference_mode, id="inference_mode"),
+])
+def test_training_points_are_measured_under_the_callers_grad_mode(context):
+    # Every backward failed under the caller's no_grad or inference mode: tune's training
+    # points came back with every backend skipped and no time, and bench raised.
+    grid = tuning.Grid((8,), (2,), ((4, 4),))
+    with context():
+        got = tuning.tune(grid, modes=("train",), backends=["loop", "bmm"], rounds=1, min_time=0.0, rematch=False)
+        rows = tuning.bench(grid, modes=("train",), backends=["loop"], rounds=1, min_time=0.0, baselines=False,
+                            memory=False, refine=0.0)
+        compiled = tuning.bench_compiled(grid, models=("linear",), baselines=False, rounds=1, min_time=0.0,
+                                         refine=0.0, compiler="eager")
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert set(got["measurements"][0]["times_us"]) == {"loop", "bmm"}, got["measurements"][0].get("skipped")
+    assert set(rows[0]["times_us"]) == {"loop"} and rows[0]["auto_us"] > 0
+    assert compiled[0]["failed"] == {} and {"auto", "auto_compiled"} <= set(compiled[0]["times_us"])
+
+
+def test_the_compiled_benchmark_builds_its_modules_on_the_cpu_under_another_default_device():
+    # Built on the default device and then moved: under torch.device("meta") every module was
+    # a meta one, and moving it failed ("Cannot copy out of meta tensor").
+    grid = tuning.Grid((8,), (2,), ((4, 4),))
+    with torch.device("meta"):
+        rows = tuning.bench_compiled(grid, models=("linear",), baselines=False, rounds=1, min_time=0.0,
+                                     refine=0.0, compiler="eager")
+    assert rows[0]["failed"] == {} and {"auto", "auto_compiled"} <= set(rows[0]["times_us"])
 
 
 def test_importing_tuning_leaves_matplotlib_alone():

@@ -33,6 +33,7 @@ from ._timer import (
     _resolve_modes,
     _runnable,
     _vmap_step,
+    autograd_as_in_training,
     median_interval,
 )
 from ._verify import wrong_results
@@ -47,6 +48,7 @@ from ._verify import wrong_results
 INTERVAL_LEVEL = 0.95
 
 
+@autograd_as_in_training()
 def bench(
     grid: Grid = BENCH_GRID,
     *,

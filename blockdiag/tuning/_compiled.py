@@ -27,6 +27,7 @@ from ._timer import (
     _Progress,
     _resolve_modes,
     _step,
+    autograd_as_in_training,
     median_interval,
 )
 
@@ -129,7 +130,10 @@ def _compiled_modules(model: str, p: Problem, forced: Sequence[str], baselines: 
 
     g, i, o, n = p.groups, p.block_in, p.block_out, p.batch
     train = p.requires_grad
-    with torch.random.fork_rng(devices=[]):
+    # Built on the CPU from the forked CPU generator, then moved: torch.device("cpu") because
+    # the factories here would otherwise follow the caller's default device (torch.device(...),
+    # set_default_device), and a module built on meta cannot be moved.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed)
         if model == "linear":
             bd = GroupedLinear(g * i, g * o, g, dtype=p.dtype)
@@ -229,6 +233,7 @@ class _WrongResult(Exception):
     pass
 
 
+@autograd_as_in_training()
 def bench_compiled(
     grid: Grid = BENCH_GRID,
     *,

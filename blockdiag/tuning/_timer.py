@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -17,6 +18,20 @@ from torch import nn
 
 from .._errors import BlockDiagError
 from ..backends import Problem, get, names
+
+
+@contextlib.contextmanager
+def autograd_as_in_training():
+    """Autograd on, whatever grad mode the caller is in: the measuring entry points run under it.
+
+    A training point times a forward and its backward, and the backward needs the graph
+    that only recording builds: under the caller's ``no_grad`` (or ``set_grad_enabled(False)``)
+    every backward would fail, and under ``inference_mode`` the inputs made inside would be
+    inference tensors, which no backward may save. Inference points stay under ``no_grad``
+    (:func:`_step`). Used as a decorator.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 @dataclass(frozen=True)

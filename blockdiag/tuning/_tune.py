@@ -22,10 +22,12 @@ from ._timer import (
     _resolve_modes,
     _runnable,
     allocator_env,
+    autograd_as_in_training,
 )
 from ._verify import wrong_results
 
 
+@autograd_as_in_training()
 def tune(
     grid: Grid,
     *,
@@ -168,6 +170,7 @@ def _rematch_all(measurements, prior, device, dtype, rounds, min_time, stat, pro
             "prior": (prior or {}).get("device_name", "?"), "rounds": REMATCH_ROUNDS_FACTOR * rounds}
 
 
+@autograd_as_in_training()
 def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: float = 1e-2,
             stat: str = "median") -> str:
     """Time the backends of ``pair`` head to head at ``p``; update ``m`` and return the faster.
