@@ -89,6 +89,34 @@ static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64
 #undef CASE_R
 }
 
+/* Inputs per partial sum of the broadcast tile, for blocks with more (tile_long). */
+#ifndef KBLOCK
+#define KBLOCK 256
+#endif
+
+/* tile for K > KBLOCK: each block of KBLOCK inputs is summed in registers on its own (the
+   first from the bias) and added to C, as BLAS adds its panels of K. One running sum over
+   every input lost about one rounding per input once the total dwarfed a term: a forward
+   (and input-gradient) error growing with K, several times nn.Linear's at thousands of
+   inputs. Summing blocks inside tile instead slowed the products of 64 inputs too; here tile
+   stays what it is, and products of up to KBLOCK inputs never come this way (run_tiles). */
+static void CAT(tile_long, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp, int64_t K, const T* bias,
+                                T* c, int64_t ldc, int64_t nw, int rr, int nv)
+{
+    T part[8 * MAXNV * VL];
+    CAT(tile_any, SFX)(a, lda, p, ldp, KBLOCK, bias, c, ldc, nw, rr, nv);
+    for (int64_t k0 = KBLOCK; k0 < K; k0 += KBLOCK) {
+        int64_t kb = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+        CAT(tile_any, SFX)(a + k0, lda, p + k0 * ldp, ldp, kb, 0, part, MAXNV * VL, nw, rr, nv);
+        for (int r = 0; r < rr; r++)
+            for (int j = 0; j < nv; j++) {
+                M mk = MASK(nw - j * VL);
+                T* cj = c + r * ldc + j * VL;
+                VSTOREM(cj, mk, VADD(VLOADM(mk, cj), VLOADM(mk, part + r * MAXNV * VL + j * VL)));
+            }
+    }
+}
+
 /* The dot-product form, for blocks with few outputs and many inputs (150x10): the vectors run
    along the inputs, so every lane is used (the broadcast form above fills 10 of 16 lanes
    there, one broadcast per FMA), and the weight is read in its own [O][I] layout, so nothing
@@ -387,6 +415,16 @@ static void CAT(run_tiles, SFX)(const T* x, int64_t ldx, const T* p, int64_t sp,
                                 T* y, int64_t ldy, int64_t r0, int rr, int64_t g0, int64_t g1, int64_t K,
                                 int64_t N, int nvmax)
 {
+    if (K > KBLOCK) {
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t n0 = 0; n0 < N; n0 += MAXNV * VL) {
+                int64_t nw = N - n0 < MAXNV * VL ? N - n0 : MAXNV * VL;
+                CAT(tile_long, SFX)(x + r0 * ldx + g * K, ldx, p + (g - g0) * sp + n0, np, K,
+                                    bias ? bias + g * N + n0 : 0, y + r0 * ldy + g * N + n0, ldy, nw, rr,
+                                    (int)((nw + VL - 1) / VL));
+            }
+        return;
+    }
     if (N <= MAXNV * VL) {
         CAT(tile_groups_any, SFX)(x + r0 * ldx + g0 * K, ldx, p, sp, np, K, bias ? bias + g0 * N : 0,
                                   y + r0 * ldy + g0 * N, ldy, N, 0, g1 - g0, rr, nvmax);
