@@ -637,6 +637,37 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
     assert code == 0, err
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.skipif(get("simd").unavailable_reason() is not None, reason="simd unavailable here")
+def test_a_small_simd_call_leaves_the_process_safe_to_fork(tmp_path):
+    # A child forked after its parent started OpenMP's thread pool hangs in its first parallel
+    # region. torch's small ops start none, but simd's first call did, however small: its
+    # self-check's reference was torch.bmm (which starts the pool at any size) and every kernel
+    # opened a parallel region on all of torch's threads. A parent that ran one tiny forward and
+    # backward, then forked (Hogwild!-style training), hung its child. Two threads asked for
+    # here: with one, no pool is ever started.
+    script = textwrap.dedent(
+        """
+        import os, torch, blockdiag
+        torch.set_num_threads(2)
+        for dtype in (torch.float32, torch.float64):
+            layer = blockdiag.GroupedLinear(8, 6, 2, backend="simd", dtype=dtype)
+            layer(torch.randn(3, 8, dtype=dtype)).sum().backward()
+        pid = os.fork()
+        if pid == 0:
+            torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": quick_compiler(tmp_path / "quick"),
+           "CXX": quick_compiler(tmp_path / "quick", "CXX", "c++")}
+    code, _, err = run_or_fail_on_hang([sys.executable, "-c", script], 120,
+                                       "a child forked after a small simd call (torch.bmm)", env=env)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize(
     "out, inp, device, side",
     [

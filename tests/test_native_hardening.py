@@ -957,3 +957,23 @@ def test_a_build_removes_the_staging_files_of_killed_builds(tmp_path):
                                          lambda lib, p: (lib, None), "the stub")
     assert found is None and final and why == "the stub compiler failed"
     assert not dead.exists() and other.exists()
+
+
+def test_a_load_removes_the_library_an_orphaned_compiler_wrote_late(tmp_path):
+    # The compiler of a build killed with SIGKILL runs on (a session of its own) and its linker
+    # writes the whole library under the dead build's staging name after the next process swept
+    # it and built the library: only a later build swept, and none came once the library was
+    # there, so half a megabyte stayed in the cache for good, one more per killed first build.
+    folder = tmp_path / "kernels"
+    folder.mkdir(mode=0o700)
+    lib = folder / "lib.so"
+    lib.write_bytes(_forged(tmp_path / "forge", tmp_path / "loaded"))
+    lib.chmod(0o700)
+    late = folder / ".lib.so.k3j2x9.tmp"
+    other = folder / ".libother.so.a1b2c3.tmp"
+    late.write_bytes(b"an orphaned compiler's library")
+    other.write_bytes(b"another library's build")
+    built = []
+    found, why, final = _libcache._fetch(lib, lambda p: built.append(p), lambda l, p: (l, None), "the stub")
+    assert found is not None and why is None and final and not built
+    assert not late.exists() and other.exists()

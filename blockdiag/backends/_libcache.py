@@ -436,8 +436,12 @@ def _sweep_staging(path: Path) -> None:
     """Remove the staging files (:func:`_staging`) of builds of ``path`` that were killed.
 
     Called under the build lock, which a live build holds: every such file left is a dead
-    build's (a SIGKILL skips the cleanup), or its orphaned compiler's, whose writes then go
-    to an unlinked file.
+    build's (a SIGKILL skips the cleanup), or its orphaned compiler's. That compiler runs in a
+    session of its own (:func:`run_compiler`), so it outlives the build killed and its linker
+    writes the whole library under the staging name, after the next process has swept it and
+    built the library itself: so every process that takes the lock sweeps, the one that
+    finds the library built included. No process loads such a file: a build installs only its
+    own staging file, and a library only with its record (:func:`_install`).
     """
     prefix = f".{path.name}."
     try:
@@ -454,11 +458,11 @@ def _sweep_staging(path: Path) -> None:
 
 def _fetch_locked(path: Path, build, use, what: str) -> tuple[Optional[object], Optional[str], bool]:
     stale = None
+    _sweep_staging(path)
     if os.path.lexists(path):
         lib, stale = _load(path)
         if lib is not None:
             return (*use(lib, path), True)
-    _sweep_staging(path)
     try:
         why = build(path)
     except OSError as e:

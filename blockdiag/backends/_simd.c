@@ -145,6 +145,20 @@ static int bd_matrix(const void* p, int kp, int64_t ld, int kl, int64_t rows, in
     return 0;
 }
 
+/* The threads a product of `rows` rows over `goi` weights (G*O*I) runs on: the caller's alone
+   below BD_SERIAL_MACS multiply-adds, as torch's own ops stay on the calling thread below their
+   grain size. Waking the pool costs more than such a product, and a pool once started makes the
+   process unsafe to fork: the child of a later fork hangs in its first parallel region (the
+   pool's threads are not in the child). A single small call (the self-check's products, a
+   one-row forward) left such a pool behind, where torch's own small ops leave none. */
+#define BD_SERIAL_MACS 32768
+static int bd_threads(int64_t rows, int64_t goi, int nthreads)
+{
+    int64_t macs;
+    if (nthreads > 1 && !__builtin_mul_overflow(rows, goi, &macs) && macs < BD_SERIAL_MACS) return 1;
+    return nthreads;
+}
+
 #define INL static inline __attribute__((always_inline))
 
 /* The macro sets, one per instruction set and element type. MASK(n) is the mask of the first

@@ -540,6 +540,7 @@ int CAT(bd_forward, SFX)(const T* x, int64_t ldx, const T* w, const T* bias, T* 
             for (int64_t j = 0; j < go; j++) y[n * ldy + j] = bias ? bias[j] : (T)0;
         return 0;
     }
+    nthreads = bd_threads(rows, goi, nthreads);
     if (CAT(use_dot, SFX)(I, O)) {
         CAT(bdmm_dot, SFX)(x, ldx, w, bias, y, ldy, rows, G, I, O, nthreads);
         return 0;
@@ -562,7 +563,7 @@ int CAT(bd_grad_input, SFX)(const T* gy, int64_t ldgy, const T* w, T* gx, int64_
         for (int64_t n = 0; n < rows; n++) memset(gx + n * ldgx, 0, (size_t)gi * sizeof(T));
         return 0;
     }
-    return CAT(bdmm, SFX)(gy, ldgy, w, 0, 0, gx, ldgx, rows, G, O, I, nthreads);
+    return CAT(bdmm, SFX)(gy, ldgy, w, 0, 0, gx, ldgx, rows, G, O, I, bd_threads(rows, goi, nthreads));
 }
 
 /* gw[o][i] (+)= sum_n gy[n*ldgy + o] x[n*ldx + i], o < RR, i < iw;  gb[o] (+)= sum_n gy[n*ldgy + o].
@@ -702,6 +703,7 @@ int CAT(bd_grad_weight, SFX)(const T* gy, int64_t ldgy, const T* x, int64_t ldx,
             }
         return 0;
     }
+    nthreads = bd_threads(rows, goi, nthreads);
     int64_t ichunks = (I + MAXNV * VL - 1) / (MAXNV * VL);
     int nvmax = (int)(((I < MAXNV * VL ? I : MAXNV * VL) + VL - 1) / VL);
     int64_t rt = WRTILE(nvmax);

@@ -76,7 +76,9 @@ How it is built and found:
 
 The availability probe compiles (once per machine: see docs/installation.md) and loads the library, but
 runs nothing: running OpenMP code before a ``fork`` would hang the forked child's first
-parallel op (see ``mkl_batch``). The backend is unavailable, with the reason, off Linux
+parallel op (see ``mkl_batch``). The first call's self-check and every product under
+``BD_SERIAL_MACS`` multiply-adds (``_simd.c``) run on the calling thread and start no thread
+pool either, as torch's own small ops. The backend is unavailable, with the reason, off Linux
 x86-64 and aarch64, on an x86-64 CPU with neither AVX-512F nor AVX2 and FMA, when
 ``$BLOCKDIAG_SIMD_ISA`` asks for a variant this CPU cannot run, without a C compiler, or when
 compiling fails. The first call in
@@ -740,11 +742,13 @@ def _run_check(dtype: torch.dtype) -> Optional[str]:
 
         wide = rand(n, g * i + 3)
         x, w, b, gy = wide[:, 1 : 1 + g * i], rand(g, o, i), rand(g * o), rand(n, g * o)
-        xs = x.double().reshape(n, g, i).transpose(0, 1)
-        gys = gy.double().reshape(n, g, o).transpose(0, 1)
-        want_y = torch.bmm(xs, w.double().transpose(1, 2)).transpose(0, 1).reshape(n, g * o) + b.double()
-        want_gx = torch.bmm(gys, w.double()).transpose(0, 1).reshape(n, g * i)
-        want_gw = torch.bmm(gys.transpose(1, 2), xs)
+        # Broadcast products summed, not torch.bmm: bmm starts OpenMP's thread pool at any
+        # size, and a process forked after its first simd call would hang in its child's
+        # first parallel op (these products are below the grain size of torch's elementwise ops).
+        xs, gys, wd = x.double().reshape(n, g, 1, i), gy.double().reshape(n, g, o, 1), w.double()
+        want_y = (xs * wd).sum(-1).reshape(n, g * o) + b.double()
+        want_gx = (gys * wd).sum(2).reshape(n, g * i)
+        want_gw = (gys * xs).sum(0)
         gw, gb = _grad_weight(gy, x, w.shape, True)
         for what, got, want in (("forward", _forward(x, w, b), want_y),
                                 ("input gradient", _grad_input(gy, w), want_gx),
