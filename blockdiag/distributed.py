@@ -464,6 +464,8 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
         plain.output_activation = copy.deepcopy(model._modules.get("output_activation"))
         if "_head_names" in model.__dict__:  # from_heads' names, for to_heads on the copy
             plain._head_names = model._head_names
+            if "_head_linears" in model.__dict__:
+                plain._head_linears = model._head_linears
     elif isinstance(model, GroupedLinear):
         w = state["weight"]
         plain = GroupedLinear(

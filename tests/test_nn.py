@@ -181,6 +181,12 @@ def test_from_linears_bad_input():
     # One Linear where the sequence belongs: named, not "'Linear' object is not iterable".
     with pytest.raises(BlockDiagError, match=r"linears must be a sequence of nn.Linear, got one Linear; .*pass \[linear\]"):
         GroupedLinear.from_linears(nn.Linear(3, 2))
+    # A dict iterates its keys: "linears[0] is a str, not nn.Linear", with no word of the values.
+    for linears in (nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2)}), {"a": nn.Linear(3, 2)}):
+        with pytest.raises(BlockDiagError, match=r"linears is a (ModuleDict|dict), which iterates its keys; "
+                                                 r"pass its values \(list\(linears.values\(\)\)\)"):
+            GroupedLinear.from_linears(linears)
+        GroupedLinear.from_linears(linears.values())
     with pytest.raises(BlockDiagError, match=r"linears\[1\] has weight shape \(2, 4\) but linears\[0\] has \(2, 3\)"):
         GroupedLinear.from_linears([nn.Linear(3, 2), nn.Linear(4, 2)])
     with pytest.raises(BlockDiagError, match=r"linears\[1\] has no bias"):
@@ -316,6 +322,10 @@ def test_from_heads_bad_input():
         GroupedMLP.from_heads([])
     with pytest.raises(BlockDiagError, match=r"heads must be a sequence of heads .*got one Linear; .*pass \[head\]"):
         GroupedMLP.from_heads(nn.Linear(3, 2))
+    named = nn.ModuleDict({"a": good[0], "b": good[1]})
+    with pytest.raises(BlockDiagError, match=r"heads is a ModuleDict, which iterates its keys; pass its values"):
+        GroupedMLP.from_heads(named)  # "heads[0] must be an nn.Sequential or an nn.Linear, got str" before
+    GroupedMLP.from_heads(named.values())
     with pytest.raises(BlockDiagError, match=r"heads\[0\] must be an nn.Sequential or an nn.Linear, got ReLU"):
         GroupedMLP.from_heads([nn.ReLU()])
     bad = nn.ModuleList([good[0], _heads(1, [4, 5, 1])[0]])
@@ -569,6 +579,15 @@ class _Scale(nn.Module):  # stateless and element-wise; its setting is not in it
         return x * self.s
 
 
+class _PrivateScale(nn.Module):  # as _Scale, its setting under a private name
+    def __init__(self, s):
+        super().__init__()
+        self._s = s
+
+    def forward(self, x):
+        return x * self._s
+
+
 def _three_heads(act=nn.ReLU):
     torch.manual_seed(0)
     return nn.ModuleList(nn.Sequential(nn.Linear(5, 4), act(), nn.Linear(4, 2)) for _ in range(3))
@@ -590,6 +609,10 @@ def _three_heads(act=nn.ReLU):
         pytest.param(lambda hs: [hs[k].__setitem__(1, _Scale(k + 1)) for k in range(3)],
                      r"heads\[1\]\[1\] is _Scale\(\) but heads\[0\]\[1\] is _Scale\(\) \(their s differ: 2 and 1\)",
                      id="custom-activation-settings"),
+        pytest.param(lambda hs: [hs[k].__setitem__(1, _PrivateScale(k + 1)) for k in range(3)],
+                     r"heads\[1\]\[1\] is _PrivateScale\(\) but heads\[0\]\[1\] is _PrivateScale\(\) "
+                     r"\(their _s differ: 2 and 1\)",
+                     id="custom-activation-private-settings"),
     ],
 )
 def test_from_heads_refuses_heads_it_would_run_differently(spoil, match):
@@ -600,6 +623,89 @@ def test_from_heads_refuses_heads_it_would_run_differently(spoil, match):
     spoil(heads)
     with pytest.raises(BlockDiagError, match=match):
         GroupedMLP.from_heads(heads)
+
+
+@pytest.mark.parametrize("setting", [float("nan"), torch.tensor([1.0, float("nan")])], ids=["float", "tensor"])
+def test_from_heads_takes_heads_whose_activation_settings_are_nan_alike(setting):
+    # A NaN setting differs from itself under ==: heads[0]'s activation was compared with
+    # itself and refused ("heads[0][1] is _Scale() but heads[0][1] is _Scale()"), as were
+    # copies of it.
+    heads = _three_heads()
+    for h in range(3):
+        heads[h][1] = _Scale(copy.deepcopy(setting)) if h else _Scale(setting)
+    assert GroupedMLP.from_heads(heads[:1]).activations[0].s is not None
+    GroupedMLP.from_heads(heads)
+    heads[2][1] = _Scale(torch.tensor([1.0, 2.0])) if isinstance(setting, torch.Tensor) else _Scale(1.0)
+    with pytest.raises(BlockDiagError, match=r"heads\[2\]\[1\] is _Scale\(\) but heads\[0\]\[1\]"):
+        GroupedMLP.from_heads(heads)
+
+
+@pytest.mark.parametrize(
+    "replace, match",
+    [
+        pytest.param(lambda m: setattr(m, "output_activation", nn.Softmax(-1)),
+                     r"GroupedMLP.output_activation: output_activation is Softmax\(dim=-1\), which is not element-wise",
+                     id="softmax-output"),
+        pytest.param(lambda m: m.activations.__setitem__(1, nn.LayerNorm(3, dtype=torch.float64)),
+                     r"GroupedMLP.activations: activations\[1\] is LayerNorm.*holds parameters or buffers",
+                     id="layernorm"),
+        pytest.param(lambda m: m.activations.__setitem__(0, nn.PReLU(4, dtype=torch.float64)),
+                     r"activations\[0\] is PReLU\(num_parameters=4\), which holds parameters", id="prelu"),
+        pytest.param(lambda m: m.activations.__setitem__(-1, nn.Sequential(nn.ReLU(), nn.Softmax(-1))),
+                     r"activations\[1\]\[1\] is Softmax", id="inside-a-sequential"),
+        pytest.param(lambda m: setattr(m, "activations", nn.ModuleList([nn.Tanh()])),
+                     r"activations must be an nn.ModuleList of one activation per hidden layer \(2\), got one of 1",
+                     id="one-too-few"),
+        pytest.param(lambda m: setattr(m, "activations", nn.ModuleList([nn.Tanh(), nn.GELU(), nn.Tanh()])),
+                     r"per hidden layer \(2\), got one of 3", id="one-too-many"),
+        pytest.param(lambda m: m.activations.append(nn.Tanh()),
+                     r"GroupedMLP.activations: it holds one activation per hidden layer \(2\); replace one",
+                     id="append"),
+        pytest.param(lambda m: m.activations.__delitem__(0), r"it holds one activation per hidden layer \(2\)",
+                     id="del"),
+    ],
+)
+def test_grouped_mlp_refuses_activations_replaced_by_what_it_cannot_apply(replace, match):
+    # Checked only by the constructor: put in later, each ran on every head's units at once in
+    # each strategy's own layout, so the layers, the chain, the heads and to_heads' heads each
+    # computed something else (a Softmax over every head's outputs, or over the chain's batch),
+    # and a missing or extra activation was skipped or applied by some strategies only.
+    model = GroupedMLP(5, [4, 3], 2, heads=3, dtype=torch.float64)
+    model.to_heads()
+    with pytest.raises(BlockDiagError, match=match):
+        replace(model)
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):  # the check travels with the model
+        with pytest.raises(BlockDiagError, match=match):
+            replace(copied)
+    # A whole-module torch.save still holds only the classes the FAQ allows for weights_only.
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([GroupedMLP, GroupedLinear, nn.ModuleList, nn.ReLU]):
+        loaded = torch.load(buf)
+    with pytest.raises(BlockDiagError, match=match):
+        replace(loaded)
+
+
+def test_grouped_mlp_runs_activations_replaced_after_construction_in_every_strategy():
+    torch.manual_seed(0)
+    model = GroupedMLP(5, [4, 3], 2, heads=3, dtype=torch.float64)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    model(x)
+    model.activations[0] = nn.Softplus(beta=2.0)
+    model.activations = nn.ModuleList([model.activations[0], nn.Sequential(nn.GELU(approximate="tanh"), nn.Identity())])
+    model.activations[1][1] = nn.Hardtanh(-0.1, 0.2)
+    model.output_activation = nn.LeakyReLU(0.3)
+    want = torch.cat([h(x) for h in model.to_heads()], -1)
+    for strategy in ("layers", "fm_chain", "heads", "auto"):
+        model.strategy = strategy
+        torch.testing.assert_close(model(x), want, msg=strategy)
+    model.output_activation = None
+    torch.testing.assert_close(model(x), torch.cat([h(x) for h in model.to_heads()], -1))
+    # A model pickled before the activations checked replacements held a plain ModuleList.
+    model._modules["activations"] = nn.ModuleList(model.activations)
+    with pytest.raises(BlockDiagError, match=r"activations\[0\] is Softmax"):
+        pickle.loads(pickle.dumps(model)).activations[0] = nn.Softmax(-1)
 
 
 def test_from_heads_and_to_heads_keep_training_mode_and_frozen_parameters():
@@ -1319,6 +1425,12 @@ def test_to_heads_gives_named_heads_back_under_their_names():
     x = torch.randn(6, 5)
     torch.testing.assert_close(torch.cat([h(x) for h in back], -1), model(x))
     assert list(GroupedMLP.from_heads(_three_heads()).to_heads()[0]._modules) == ["0", "1", "2"]
+    # As many modules again, the Linears elsewhere: the names no longer fit, the heads are numbered
+    # (the second Linear was "drop", the output Tanh "out").
+    model.activations[0] = nn.GELU()
+    model.output_activation = nn.Sequential(nn.Tanh(), nn.Identity())
+    assert [type(m) for m in model.to_heads()[0]] == [nn.Linear, nn.GELU, nn.Linear, nn.Tanh, nn.Identity]
+    assert list(model.to_heads()[0]._modules) == ["0", "1", "2", "3", "4"]
 
 
 def test_fx_symbolic_trace_records_the_products_and_runs_as_the_modules():

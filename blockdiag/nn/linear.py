@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Sequence
 
 import torch
@@ -840,7 +840,11 @@ class GroupedLinear(nn.Module):
 
         Args:
             linears: a non-empty sequence of ``nn.Linear`` of one shape, all with or all
-                without bias, on one device and dtype.
+                without bias, on one device and dtype. A parametrized one (masked by
+                ``mask_block_diagonal_``, ``parametrizations.weight_norm``, ``spectral_norm``)
+                is copied as the weight it computes now; the parametrization is not carried
+                over, so the layer trains that weight itself, and differs from the linears
+                after a step (the FAQ shows per-group parametrizations to register on it).
             backend: for the new layer.
 
         Returns:
@@ -855,6 +859,10 @@ class GroupedLinear(nn.Module):
         check(fn, isinstance(linears, Iterable),
               f"linears must be a sequence of nn.Linear, got one {type(linears).__name__}; for a single "
               "layer pass [linear]")
+        # A dict iterates its keys: its first "linear" was a str, with no word of the values.
+        check(fn, not isinstance(linears, (Mapping, nn.ModuleDict)),
+              f"linears is a {type(linears).__name__}, which iterates its keys; pass its values "
+              "(list(linears.values()))")
         linears = list(linears)
         check(fn, len(linears) > 0, "linears is empty")
         first = linears[0]

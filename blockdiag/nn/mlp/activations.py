@@ -149,3 +149,39 @@ def _random(act: nn.Module) -> bool:
         m.training and isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) and getattr(m, "p", 1.0) != 0
         for m in act.modules()
     )
+
+
+class Activations(nn.ModuleList):
+    """``GroupedMLP.activations``: a ``ModuleList`` that checks a module put in its place.
+
+    ``model.activations[k] = module`` replaces an activation after the model was built, where
+    the constructor's check of what its factory made no longer runs: a module that is not
+    stateless and element-wise (``Softmax``, ``LayerNorm``, ``PReLU``) would then run on every
+    head's hidden units at once, in each strategy's own layout (the layers' ``[batch, heads *
+    hidden]``, the chain's ``[heads, hidden, batch]``, one head's ``[batch, hidden]``), so
+    each strategy, and ``to_heads``' heads, would compute something else. It is checked as the
+    constructor checks it. It holds one activation per hidden layer, so adding or removing one
+    (``append``, ``del``) is refused: the strategies would disagree on where it runs (the
+    layers and the heads would apply an extra one after the last layer, the chain would not).
+    Its ``repr`` names it ``ModuleList``, as it was.
+    """
+
+    def __init__(self, modules=()):
+        super().__init__()
+        for k, m in enumerate(modules):  # not through extend, which is refused
+            self.add_module(str(k), m)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, nn.Module) and name.isdigit():  # ModuleList.__setitem__ sets "<k>"
+            _check_activation("GroupedMLP.activations", value, f"activations[{name}]")
+        super().__setattr__(name, value)
+
+    def _refuse_resize(self, *args, **kwargs):
+        check("GroupedMLP.activations", False,
+              f"it holds one activation per hidden layer ({len(self)}); replace one (model.activations[k] = "
+              "module) instead of adding or removing one")
+
+    append = extend = insert = pop = __delitem__ = __iadd__ = _refuse_resize
+
+    def _get_name(self) -> str:
+        return "ModuleList"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional, Sequence
 
 import torch
@@ -27,6 +27,10 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
     check(fn, isinstance(heads, Iterable),
           f"heads must be a sequence of heads (nn.Sequential or nn.Linear), got one {type(heads).__name__}; "
           "for a single head pass [head]")
+    # A dict iterates its keys: heads[0] was a str, with no word of the values.
+    check(fn, not isinstance(heads, (Mapping, nn.ModuleDict)),
+          f"heads is a {type(heads).__name__}, which iterates its keys; pass its values (list(heads.values())): "
+          "to_heads gives them back as an nn.ModuleList, in that order")
     # A bare Linear is the one-layer head Sequential(Linear): wrapping it copies nothing, and
     # every check below then sees it as such (its hooks, mode, parametrizations).
     heads = [nn.Sequential(h) if isinstance(h, nn.Linear) else h for h in heads]
@@ -149,6 +153,7 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
         # A head's own names (Sequential(OrderedDict(fc1=...))) are its state_dict keys and
         # attributes: to_heads names the modules it gives back so, not by position.
         model._head_names = names
+        model._head_linears = tuple(at)  # where the names hold a Linear (see to_heads)
     return model
 
 
@@ -156,25 +161,46 @@ def _mode(m: nn.Module) -> str:
     return "training" if m.training else "eval"
 
 
+# What nn.Module.__init__ (and Module.compile) keep in every instance's __dict__: its own
+# bookkeeping (the parameter, buffer and module dicts, hooks), not a module's settings.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_compiled_call_impl"}
+
+
 def _activation_differs(m: nn.Module, r: nn.Module) -> Optional[str]:
     """Why activation ``m`` does not act as ``r`` (None where it does): one module serves every head.
 
-    Their reprs, then for each module inside, its training mode and public attributes (a
-    module of the caller's own may keep its settings there and not show them in its repr).
+    Their reprs, then for each module inside, its training mode and every attribute of its
+    own but nn.Module's bookkeeping: a module of the caller's own may keep its settings there
+    and not show them in its repr, under a private name (``self._alpha``) as well.
     """
+    if m is r:
+        return None
     if repr(m) != repr(r):
         return ""
     for a, b in zip(m.modules(), r.modules()):
         if a.training != b.training:
             return f" (in {_mode(a)} mode, the other in {_mode(b)} mode)"
         for name in sorted(set(vars(a)) | set(vars(b))):
-            if name.startswith("_") or name == "training":
+            if name in _MODULE_INTERNALS:
                 continue
             va, vb = getattr(a, name, None), getattr(b, name, None)
-            same = torch.equal(va, vb) if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) else va == vb
-            if not isinstance(same, bool) or not same:
+            if not _same_setting(va, vb):
                 return f" (their {name} differ: {va!r} and {vb!r})"
     return None
+
+
+def _same_setting(va: object, vb: object) -> bool:
+    """Whether two values of an activation's attribute are the same setting (NaN equal to NaN)."""
+    if va is vb:
+        return True
+    if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+        return (va.shape == vb.shape and va.dtype == vb.dtype and va.device == vb.device
+                and (torch.equal(va, vb) or (va.is_floating_point() and bool(
+                    torch.isclose(va, vb, rtol=0, atol=0, equal_nan=True).all()))))
+    if isinstance(va, float) and isinstance(vb, float) and va != va and vb != vb:
+        return True
+    same = va == vb
+    return isinstance(same, bool) and same
 
 
 def to_heads(model) -> nn.ModuleList:
@@ -207,9 +233,13 @@ def to_heads(model) -> nn.ModuleList:
         if out_act is not None:
             out_act = copy.deepcopy(out_act)
             mods.extend(out_act if type(out_act) is nn.Sequential else (out_act,))
-        # The names from_heads found, while the model still has as many modules per head.
+        # The names from_heads found, while the model still has as many modules per head, each
+        # Linear where a Linear was named: an activation replaced by one of another length
+        # (model.activations[k] = ...) would otherwise give a Linear an activation's name.
         names = model.__dict__.get("_head_names")
-        if names and len(names) == len(mods):
+        at = model.__dict__.get("_head_linears")
+        if (names and len(names) == len(mods)
+                and (at is None or tuple(k for k, m in enumerate(mods) if isinstance(m, nn.Linear)) == at)):
             head = nn.Sequential(OrderedDict(zip(names, mods)))
         else:
             head = nn.Sequential(*mods)

@@ -18,7 +18,7 @@ from ...ops.fm_rows import fm_rows
 from ..linear import GroupedLinear, fx_tracer, refuse_replaced_shapes
 from . import heads as _heads
 from . import strategy as _strategy
-from .activations import _check_activation, _in_place, _random
+from .activations import Activations, _check_activation, _in_place, _random
 from .strategy import STRATEGIES, MLPPlan, StrategyChoice
 
 
@@ -144,7 +144,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         activation: a factory (class or callable) of the activation module after each
             hidden layer: stateless and element-wise (``ELEMENTWISE_ACTIVATIONS`` lists the
             torch.nn ones accepted), or an ``nn.Sequential`` of such modules
-            (``lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.1))``).
+            (``lambda: nn.Sequential(nn.ReLU(), nn.Dropout(0.1))``). A module put in
+            later (``model.activations[k] = ...``, ``model.output_activation = ...``) is
+            checked alike.
         output_activation: None (the default: the heads end with their last Linear), or a
             factory of the same kind for a module applied to every head's output (an RL
             actor's ``nn.Tanh``). It runs on ``[..., heads * out]``, so it must be
@@ -220,7 +222,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
         acts = [_make_activation(fn, "activation", activation) for _ in hidden]
         for k, act in enumerate(acts):
             _check_activation(fn, act, f"activation() after hidden layer {k}")
-        self.activations = nn.ModuleList(acts)
+        self.activations = Activations(acts)
         out_act = None
         if output_activation is not None:
             out_act = _make_activation(fn, "output_activation", output_activation)
@@ -230,11 +232,40 @@ class GroupedMLP(StrategyChoice, nn.Module):
         self.strategy = strategy
         self._decisions: dict = {}
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # The activations are checked where they are put in, as the constructor checks what
+        # its factories make: assigned later, a module that is not stateless and element-wise
+        # (a per-head Softmax meant as output_activation) would run on every head's units at
+        # once in each strategy's own layout, and so compute something else in each, silently.
+        if name == "output_activation" and value is not None:
+            _check_activation(f"{type(self).__name__}.output_activation", value, "output_activation")
+        elif name == "activations" and (isinstance(value, nn.Module) or "activations" in self._modules):
+            fn = f"{type(self).__name__}.activations"
+            n = len(self.hidden_features)
+            check(fn, isinstance(value, nn.ModuleList) and len(value) == n,
+                  f"activations must be an nn.ModuleList of one activation per hidden layer ({n}), got "
+                  + (f"one of {len(value)}" if isinstance(value, nn.ModuleList) else f"a {type(value).__name__}"))
+            for k, act in enumerate(value):
+                _check_activation(fn, act, f"activations[{k}]")
+            if type(value) is nn.ModuleList:
+                value.__class__ = Activations  # it checks a later replacement of one (no state of its own)
+            elif not isinstance(value, Activations):  # a ModuleList of the caller's own class: the same modules
+                training, value = value.training, Activations(value)
+                value.training = training
+        super().__setattr__(name, value)
+
     def __getstate__(self) -> dict:
         # nn.Module's: it drops ``model.compile()``'s ``_compiled_call_impl``, which wraps this
         # instance's ``_call_impl``. Kept, a deepcopy ran the original's weights, and pickle failed.
         state = super().__getstate__()
         state["_decisions"] = {}  # a cache: rebuilt where the model is loaded
+        acts = state["_modules"].get("activations")
+        if isinstance(acts, Activations):
+            # Pickled as the plain ModuleList it was (the same modules), so that a whole-module
+            # torch.save loads where ModuleList is allowed (weights_only): __setstate__ wraps it again.
+            plain = nn.ModuleList.__new__(nn.ModuleList)
+            plain.__dict__.update(acts.__dict__)
+            state["_modules"] = {**state["_modules"], "activations": plain}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -242,6 +273,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         # Pickles from before ``strategy`` existed ran the chain under "auto"/"bmm".
         self.__dict__.setdefault("_strategy", "auto")
         self.__dict__.setdefault("_decisions", {})
+        acts = self._modules.get("activations")
+        if type(acts) is nn.ModuleList:  # as pickled (see __getstate__), or by a version before Activations
+            acts.__class__ = Activations
 
     @property
     def backend(self) -> str:
@@ -588,7 +622,11 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 ``ReLU`` then ``Dropout``: several become one ``nn.Sequential``); all Linear
                 shapes and bias flags equal across heads, every weight and bias on one device
                 and dtype, and the same
-                modules (type and settings) at each position.
+                modules (type and settings) at each position. A parametrized ``Linear``
+                (``mask_block_diagonal_``, ``parametrizations.weight_norm``,
+                ``spectral_norm``) is copied as the weight it computes now; the
+                parametrization is not carried over, so the model trains that weight itself
+                and differs from the heads after a step.
             shared_input: whether every head reads all of ``x``.
             backend: for the new model.
             strategy: for the new model (``"auto"``, ``"layers"``, ``"fm_chain"`` or ``"heads"``).
