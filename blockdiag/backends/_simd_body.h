@@ -415,17 +415,7 @@ static void CAT(run_tiles, SFX)(const T* x, int64_t ldx, const T* p, int64_t sp,
                                 T* y, int64_t ldy, int64_t r0, int rr, int64_t g0, int64_t g1, int64_t K,
                                 int64_t N, int nvmax)
 {
-    if (K > KBLOCK) {
-        for (int64_t g = g0; g < g1; g++)
-            for (int64_t n0 = 0; n0 < N; n0 += MAXNV * VL) {
-                int64_t nw = N - n0 < MAXNV * VL ? N - n0 : MAXNV * VL;
-                CAT(tile_long, SFX)(x + r0 * ldx + g * K, ldx, p + (g - g0) * sp + n0, np, K,
-                                    bias ? bias + g * N + n0 : 0, y + r0 * ldy + g * N + n0, ldy, nw, rr,
-                                    (int)((nw + VL - 1) / VL));
-            }
-        return;
-    }
-    if (N <= MAXNV * VL) {
+    if (N <= MAXNV * VL && K <= KBLOCK) {
         CAT(tile_groups_any, SFX)(x + r0 * ldx + g0 * K, ldx, p, sp, np, K, bias ? bias + g0 * N : 0,
                                   y + r0 * ldy + g0 * N, ldy, N, 0, g1 - g0, rr, nvmax);
         return;
@@ -433,9 +423,14 @@ static void CAT(run_tiles, SFX)(const T* x, int64_t ldx, const T* p, int64_t sp,
     for (int64_t g = g0; g < g1; g++)
         for (int64_t n0 = 0; n0 < N; n0 += MAXNV * VL) {
             int64_t nw = N - n0 < MAXNV * VL ? N - n0 : MAXNV * VL;
-            CAT(tile_any, SFX)(x + r0 * ldx + g * K, ldx, p + (g - g0) * sp + n0, np, K,
-                               bias ? bias + g * N + n0 : 0, y + r0 * ldy + g * N + n0, ldy, nw, rr,
-                               (int)((nw + VL - 1) / VL));
+            const T* a = x + r0 * ldx + g * K;
+            const T* bn = bias ? bias + g * N + n0 : 0;
+            T* c = y + r0 * ldy + g * N + n0;
+            int nv = (int)((nw + VL - 1) / VL);
+            if (K > KBLOCK)
+                CAT(tile_long, SFX)(a, ldx, p + (g - g0) * sp + n0, np, K, bn, c, ldy, nw, rr, nv);
+            else
+                CAT(tile_any, SFX)(a, ldx, p + (g - g0) * sp + n0, np, K, bn, c, ldy, nw, rr, nv);
         }
 }
 
