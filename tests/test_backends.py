@@ -322,8 +322,27 @@ def test_tolerances_fail_a_result_twice_or_none_of_the_expected(dtype):
         torch.testing.assert_close(want.to(dtype).double(), want, **tolerances(dtype, magnitude=size))
     with pytest.raises(BlockDiagError, match=r"tolerances: k=-1 must be"):
         tolerances(dtype, -1)
+    with pytest.raises(BlockDiagError, match=r"tolerances: k=nan must be"):
+        tolerances(dtype, float("nan"))
     with pytest.raises(BlockDiagError, match=r"tolerances: dtype=torch.int32 has none"):
         tolerances(torch.int32)
+    # An expected result holding an Inf: its magnitude would make atol Inf, passing anything.
+    want = torch.tensor([1.0, float("inf")], dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(torch.tensor([2.0, float("inf")], dtype=torch.float64), want,
+                                   **tolerances(dtype, magnitude=float(want.abs().max())))
+
+
+def test_float32_tolerances_fail_a_result_of_float16_rounding():
+    # backend_tolerances gives a TF32 backend float16's tolerances because float32's must fail
+    # a result with a 10-bit mantissa: loosened too fast with the reduction's length (k, not
+    # sqrt(k) / 4), float32's passed float16's rounding from a few dozen terms on.
+    want = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rounded = want.to(torch.float16).double()
+    for k in (1, 64):
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(rounded, want, **tolerances(torch.float32, k, magnitude=float(want.abs().max())))
+        torch.testing.assert_close(rounded, want, **tolerances(torch.float16, k, magnitude=float(want.abs().max())))
 
 
 @pytest.mark.parametrize("grad_kind", ["expanded", "transposed"])

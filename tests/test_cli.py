@@ -606,6 +606,39 @@ def test_a_rematch_finding_a_near_tie_does_not_hand_the_point_to_a_third_backend
     assert min(m["times_us"], key=m["times_us"].get) == m["rematch"]["kept"] == "bmm"
 
 
+def test_a_backend_failing_in_the_rematch_leaves_the_first_pass_times(monkeypatch):
+    # First pass: loop 1.0, dense 1.05, bmm 2.0; in the rematch loop raises and bmm is timed
+    # alone, on a machine running faster meanwhile. Nothing compared the two then: bmm's lone
+    # time (written as it was, or scaled to loop's level) put it ahead of loop and dense,
+    # which both passes had ranked ahead of it.
+    calls = []
+
+    def fake(steps, device, rounds, min_time, prune=3.0, keep=(), stat="median", refine=0.0, refine_also=()):
+        calls.append(sorted(steps))
+        if len(calls) == 1:
+            return {n: t * 1e-6 for n, t in {"loop": 1.0, "dense": 1.05, "bmm": 2.0}.items()}, {}
+        return {"bmm": 0.5e-6}, {"loop": "RuntimeError: out of memory"}
+
+    monkeypatch.setattr(tuning, "measure", fake)
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm", "dense"], rounds=3, min_time=0.0,
+             prior=_prior("bmm"))
+    (m,) = e["measurements"]
+    assert len(calls) == 2
+    assert m["times_us"] == pytest.approx({"loop": 1.0, "dense": 1.05, "bmm": 2.0}, abs=1e-3)
+    assert m["rematch"]["kept"] == "loop" and m["rematch"]["rematch_us"] == {"bmm": 0.5}
+
+
+def test_tune_does_not_rematch_where_the_prior_measured_none_of_the_backends(monkeypatch):
+    # A prior table with no times for the backends tuned here (backends registered since, or
+    # `tune --backends` naming others) has no choice to dispute the winner with: rematching
+    # "None" against it failed the whole tune.
+    calls = _scripted_measure(monkeypatch, {"loop": 1.0, "bmm": 2.0}, None)
+    prior = {"device_name": "other machine", "measurements": [
+        {"mode": "forward", "batch": 4, "groups": 2, "block_in": 3, "block_out": 2, "times_us": {"dense": 1.0}}]}
+    e = tune(TINY_GRID, modes=("forward",), backends=["loop", "bmm"], rounds=3, min_time=0.0, prior=prior)
+    assert len(calls) == 1 and e["rematched"]["points"] == 0 and "rematch" not in e["measurements"][0]
+
+
 def test_the_builtin_tables_rematched_points_choose_what_the_rematch_kept():
     table = json.loads(profile.DEFAULTS_PATH.read_text())
     for key, e in table["entries"].items():
@@ -936,6 +969,14 @@ def test_the_summary_labels_every_figure():
     assert lines[0] == "forward:"
     assert [ln.split("  ")[-1].strip() for ln in lines[1:]] == ["3", "1.023", "B=4", "50%", "7"]
     assert "a new figure" in lines[-1] and "_fastest" not in text and "a_new" not in text
+    # A figure not computed (None) is left out, one without a value says so bare (not "nan%"),
+    # and what the caller prints itself (bench --compiled's targets) is not repeated raw.
+    text = fmt.summary_lines("forward", {"points": 3, "geomean_auto_over_fastest": None,
+                                         "median_fraction_of_ideal": float("nan"), "targets_met": {"a": True}},
+                             skip=("targets_met",))
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].split() == ["points", "3"], text
+    assert lines[2].split("  ")[-1] == "nan" and "None" not in text and "targets" not in text, text
 
 
 def test_each_count_says_how_many_points_it_is_of():
@@ -989,6 +1030,8 @@ def test_every_option_has_help_and_every_value_option_its_default():
                 # bench's --mode defaults to both, or train with --compiled: its help says so
                 text = fmt._get_help_string(a)
                 assert "default" in text, (name, a.option_strings, text)
+            if flag:  # a switch: "(default False)" says nothing its name does not
+                assert "(default " not in fmt._get_help_string(a), (name, a.option_strings)
 
 
 def test_help_fits_an_80_column_terminal(monkeypatch, capsys):

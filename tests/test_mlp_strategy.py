@@ -457,6 +457,11 @@ def test_auto_runs_the_layers_under_a_global_hook_autocast_and_torch_func(chain_
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "autocast" in model.plan(x).reason
         assert model(x).dtype == torch.bfloat16
+        # An input already in autocast's dtype is what the layers cast to: planned as it runs,
+        # not refused as of another dtype than the (float32) parameters.
+        xb = x.to(torch.bfloat16)
+        assert "autocast" in model.plan(xb).reason
+        assert model(xb).dtype == torch.bfloat16
     params = dict(model.named_parameters())
     torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
     assert chain_spy == []
@@ -801,6 +806,21 @@ def test_eager_auto_runs_the_heads_where_the_hidden_layer_is_large(limit, rows, 
         assert "HEADS_MIN_HIDDEN_BYTES" in plan.reason and "840 bytes" in plan.reason
 
 
+
+def test_eager_auto_sizes_the_hidden_layers_not_the_output(monkeypatch, chain_spy, heads_spy):
+    # The output is made whatever runs; the heads save only the hidden layers' tensors. Here
+    # the widest hidden layer (3 heads x 5 units, 7 rows of float64) is 840 bytes, under
+    # the limit, and the output (3 x 40) far over it: the chain, not the heads.
+    monkeypatch.setattr(mlp_mod, "EAGER_HEADS_RULE", (10**9, 1, 1))
+    monkeypatch.setattr(mlp_mod, "HEADS_MIN_HIDDEN_BYTES", (841, 8, 7))
+    monkeypatch.setattr(GroupedMLP, "_measured_choice", lambda self, x: (True, "test", 1.0, 2.0, self._layer_plans(x)))
+    torch.manual_seed(0)
+    model = GroupedMLP(6, [5, 4], 40, heads=3, dtype=torch.float64)
+    x = _x(model, 7)
+    assert model.plan(x).strategy == "fm_chain"
+    model(x)
+    assert (len(heads_spy), len(chain_spy)) == (0, 1)
+
 def test_eager_auto_runs_the_heads_at_the_compiled_benchs_large_point():
     # bench --compiled's mlp point of 2048 rows, 256 heads of 64x64, float32: each layer-wise
     # tensor of the hidden width is 128 MiB, a fresh mmap faulted in on every step, where
@@ -897,16 +917,26 @@ def test_reentrant_checkpoint_recomputes_the_random_activation_it_ran(act, compi
         model(torch.randn(32, 8))  # deciding as in training runs under inference mode too
 
 
-@pytest.mark.parametrize("how", ["layers", "auto-hooked"])
-def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how):
+@pytest.mark.parametrize("how", ["layers", "auto-hooked", "layers-planned", "fx-planned"])
+def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how, monkeypatch):
     # The layers strategy under a reentrant checkpoint: each layer's auto plan follows the
     # grad mode, and with it its output's layout (bmm_fm's feature-major view under no_grad,
     # simd's rows with grad here), in which Dropout draws its mask: the recomputation dropped
     # other units than the output returned, and the gradients were of that other forward.
+    # "planned": auto's plans made to differ so on any machine (the table's choice decides
+    # whether the others do here); "fx": the model as torch.fx.symbolic_trace records it.
+    if how.endswith("-planned"):
+        from blockdiag.nn import linear
+
+        real = linear.plan_for
+        monkeypatch.setattr(linear, "plan_for", lambda backend, p, fn: real(
+            ("bmm" if p.requires_grad else "bmm_fm") if backend == "auto" else backend, p, fn))
     torch.manual_seed(0)
-    model = GroupedMLP(5, [6, 7], 7, heads=4, activation=_relu_dropout, strategy=how.split("-")[0])
+    model = GroupedMLP(5, [6, 7], 7, heads=4, activation=_relu_dropout,
+                       strategy="auto" if how.startswith("fx") else how.split("-")[0])
     if how == "auto-hooked":
         model.layers[1].register_forward_hook(lambda *args: None)  # auto then runs the layers
+    run = torch.fx.symbolic_trace(model) if how.startswith("fx") else model
     x = torch.randn(32, 5, requires_grad=True)
     h = torch.empty(32, model.layers[1].in_features)
     with torch.no_grad():
@@ -914,13 +944,13 @@ def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how
     if inference == model.layers[1](h).is_contiguous():
         pytest.skip("here the layer's plans give one output layout with and without grad")
     torch.manual_seed(1)
-    y = checkpoint(model, x, use_reentrant=True)
+    y = checkpoint(run, x, use_reentrant=True)
     gy = torch.randn_like(y)
     y.backward(gy)
     got = x.grad.clone()
     x.grad = None
     torch.manual_seed(1)
-    want_y = model(x)
+    want_y = run(x)
     want_y.backward(gy)
     torch.testing.assert_close(y, want_y)
     torch.testing.assert_close(got, x.grad)

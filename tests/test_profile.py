@@ -641,3 +641,27 @@ def test_save_entry_does_not_replace_a_profile_it_cannot_read(tmp_path, monkeypa
         profile.save_entry(entry([point(loop=2.0)]), path)
     monkeypatch.undo()
     assert path.read_text() == text
+
+
+def test_a_profile_path_under_a_regular_file_is_missing(tmp_path):
+    # ENOTDIR names no file, as ENOENT does (a folder of the path is a file): no profile,
+    # silently, not one that "cannot be read".
+    (tmp_path / "f").write_text("")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(tmp_path / "f" / "profile.json")[1] == "built-in defaults"
+
+
+@pytest.mark.parametrize("how", ["rewritten", "removed"])
+def test_a_change_on_disk_is_reported_once(tmp_path, how):
+    # What changed_on_disk saw becomes what it compares with next: reported again and again,
+    # each look started a new chooser epoch, dropping every plan cache every RECHECK_S.
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)]))
+    assert load(path)[1].startswith("tuning profile")
+    profile.changed_on_disk()  # anything read before this test
+    if how == "rewritten":
+        path.write_text(path.read_text() + " ")  # a new size (write() would clear the cache)
+    else:
+        path.unlink()
+    assert profile.changed_on_disk() is True
+    assert profile.changed_on_disk() is False

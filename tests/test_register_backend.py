@@ -334,18 +334,42 @@ def test_a_registered_function_returning_a_sparse_result_is_named():
 
 class _WrongWeightGrad(torch.autograd.Function):
     # The right product, and the weight's gradient doubled: only a gradient check sees it.
+    # The subclasses below get another gradient wrong instead (``wrong``: which, and how).
+    wrong = ("weight", lambda g: 2 * g)
+
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         return _einsum(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, gy):
+    @classmethod
+    def backward(cls, ctx, gy):
         x, weight = ctx.saved_tensors
         g, o, i = weight.shape
         gyb, xb = gy.view(-1, g, o), x.view(-1, g, i)
         gx = torch.einsum("ngo,goi->ngi", gyb, weight).reshape(x.shape)
-        return gx, 2 * torch.einsum("ngo,ngi->goi", gyb, xb), gy.sum(0)
+        grads = {"input": gx, "weight": torch.einsum("ngo,ngi->goi", gyb, xb), "bias": gy.sum(0)}
+        label, how = cls.wrong
+        grads[label] = how(grads[label])
+        return grads["input"], grads["weight"], grads["bias"]
+
+
+class _WrongInputGrad(_WrongWeightGrad):
+    wrong = ("input", lambda g: -g)
+
+
+class _WrongBiasGrad(_WrongWeightGrad):
+    wrong = ("bias", lambda g: 0 * g)
+
+
+class _NoBiasGrad(_WrongWeightGrad):
+    wrong = ("bias", lambda g: None)
+
+
+def _one_nan(x, w, b):
+    y = _einsum(x, w, b)
+    y[0, 0] = float("nan")
+    return y
 
 
 @pytest.mark.parametrize(("fn", "mode", "match"), [
@@ -353,11 +377,17 @@ class _WrongWeightGrad(torch.autograd.Function):
     (lambda x, w, b: _einsum(x, w, None), "forward", "wrong result"),
     (lambda x, w, b: _einsum(x, w, b) * (1 + 1e-3), "forward", "wrong result"),
     (_WrongWeightGrad.apply, "train", "wrong gradient of the weight"),
+    (_WrongInputGrad.apply, "train", "wrong gradient of the input"),
+    (_WrongBiasGrad.apply, "train", "wrong gradient of the bias"),
+    (_NoBiasGrad.apply, "train", "wrong gradient of the bias: no gradient"),
+    # NaN compares False with any bound: one where the reference is finite is wrong too.
+    (_one_nan, "forward", "wrong result: 1 of 64 entries"),
     # Right in value, but of a dtype every eager call refuses: timed, auto would pick a
     # backend that raises at every call.
     (lambda x, w, b: _einsum(x.double(), w.double(), b.double()), "forward",
      r"torch.float64, on cpu; it must return"),
-], ids=["transposed_blocks", "no_bias", "off_by_1e-3", "weight_grad_doubled", "float64_result"])
+], ids=["transposed_blocks", "no_bias", "off_by_1e-3", "weight_grad_doubled", "input_grad_negated",
+        "bias_grad_zero", "bias_grad_none", "one_nan", "float64_result"])
 def test_tune_and_bench_do_not_time_a_backend_with_wrong_numbers(fn, mode, match):
     # A fast wrong backend timed into a profile would be what auto runs there, silently.
     blockdiag.register_backend(Backend("test_wrong", fn, dtypes=F32))

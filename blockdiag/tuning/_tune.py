@@ -185,8 +185,8 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
     (Scaled to keep the pair's geometric mean, a rematch that found the two about equal put
     both above a third backend slower than the winner, which the table then chose, against
     both passes.)
-    ``m["rematch"]`` records the first pass's times, the rematch's own and the outcome. A
-    backend that raises in the rematch keeps its first time (and then nothing is scaled).
+    ``m["rematch"]`` records the first pass's times, the rematch's own and the outcome. Where
+    a backend raises in the rematch, both keep their first times.
 
     Args:
         m: a measurement row of :func:`tune` (changed in place).
@@ -203,11 +203,12 @@ def rematch(m: dict, p: Problem, pair: Sequence[str], *, rounds: int, min_time: 
     steps = {n: _backend_step(n, x, w, b, gy) for n in pair}
     times, _ = _tuning.measure(steps, p.device, rounds, min_time, prune=0.0, stat=stat)
     before = {n: m["times_us"][n] for n in pair}
-    scale = 1.0
+    # Only a rematch that timed both says anything about their ratio: one timed alone, on a
+    # machine that may run faster or slower meanwhile, was compared with nothing.
     if len(times) == len(pair) and all(t > 0 for t in times.values()):
         scale = min(before.values()) / (min(times.values()) * 1e6)
-    for n, t in times.items():
-        m["times_us"][n] = round(t * 1e6 * scale, 3)
+        for n, t in times.items():
+            m["times_us"][n] = round(t * 1e6 * scale, 3)
     kept = min(pair, key=lambda n: m["times_us"][n])
     m["rematch"] = {"first_us": before, "rematch_us": {n: round(t * 1e6, 3) for n, t in times.items()}, "kept": kept}
     return kept
