@@ -2025,6 +2025,104 @@ def test_an_exported_program_run_under_autocast_casts_as_linear_does(backend):
     assert layer.weight.grad.dtype == torch.float32
 
 
+def _amp_model(kind: str) -> tuple[torch.nn.Module, int]:
+    """A grouped layer or model (``kind``) followed by an ``nn.Linear``, and its input width."""
+    torch.manual_seed(0)
+    if kind.startswith("mlp"):
+        return torch.nn.Sequential(GroupedMLP(4, [5], 4, heads=3, strategy=kind.split("-")[1]), torch.nn.Linear(12, 3)), 4
+    return torch.nn.Sequential(GroupedLinear(12, 12, groups=3, backend=kind), torch.nn.Linear(12, 3)), 12
+
+
+@pytest.mark.parametrize("kind", ["auto", "simd", "mlp-layers", "mlp-fm_chain"])
+def test_a_program_exported_under_autocast_casts_where_it_runs_as_linear_does(kind):
+    # torch.export records nn.Linear's aten.linear above autocast, uncast: the autocast of the
+    # export is not in the program, which casts under the autocast where it runs. The layers
+    # cast in Python while tracing, which baked bfloat16 into the program: run without
+    # autocast it returned bfloat16, and a following nn.Linear failed on mixed dtypes.
+    if kind == "simd":
+        require_backend("simd")
+    model, width = _amp_model(kind)
+    x = torch.randn(6, width)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},))
+        want_amp = model(x)
+        got_amp = ep.module()(x)
+    assert got_amp.dtype == want_amp.dtype == torch.bfloat16
+    with torch.no_grad():
+        exact = model.double()(x.double())
+    tol = tolerances(torch.bfloat16, 12, magnitude=float(exact.abs().max()))
+    torch.testing.assert_close(got_amp.double(), exact, **tol)
+    model.float()
+    x9 = torch.randn(9, width)
+    got = ep.module()(x9)  # no autocast here: float32, as nn.Linear's program and the eager model
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, model(x9))
+
+
+class _AmpBlock(torch.nn.Module):
+    """A model that runs its grouped part under its own autocast block, then an nn.Linear."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.body, self.width = _amp_model(kind)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.body[0](x)
+        return self.body[1](y.to(self.body[1].weight.dtype))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.parametrize("kind", ["auto", "bmm", "mlp-layers"])
+def test_an_autocast_block_inside_an_exported_model_stays_in_the_program(kind, strict):
+    # The model's own autocast block is in the program (torch's wrap_with_autocast), decomposed
+    # or not. Decomposing it traces auto_inline's body under autocast: without an autocast
+    # kernel of its own the composite op recorded a float32 product there, and the program
+    # failed its own dtype check (bfloat16 expected).
+    model = _AmpBlock(kind)
+    x = torch.randn(6, model.width)
+    ep = torch.export.export(model, (x,), strict=strict)
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())  # autocast leaves float64 alone
+    tol = tolerances(torch.bfloat16, 12, magnitude=float(exact.abs().max()))
+    for program in (ep, ep.run_decompositions()):
+        got = program.module()(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, **tol)
+
+
+@pytest.mark.parametrize("backend", ["auto", "bmm"])
+def test_decompositions_traced_under_autocast_record_its_casts_as_linear_does(backend):
+    # run_decompositions under autocast records autocast's casts for aten.linear and each
+    # backend's op; auto_inline (composite) had no autocast kernel and recorded a float32
+    # product: the decomposed program then returned float32 where nn.Linear's returns bfloat16.
+    torch.manual_seed(0)
+    x = torch.randn(6, 12)
+    lin = torch.export.export(torch.nn.Linear(12, 6), (x,))
+    layer = GroupedLinear(12, 6, groups=3, backend=backend)
+    ep = torch.export.export(layer, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lin, got = lin.run_decompositions(), ep.run_decompositions()
+    assert lin.module()(x).dtype == torch.bfloat16
+    out = got.module()(x)
+    assert out.dtype == torch.bfloat16
+    exact = reference_loop(x.double(), layer.weight.detach().double(), layer.bias.detach().double())
+    torch.testing.assert_close(out.double(), exact, **tolerances(torch.bfloat16, 4, magnitude=float(exact.abs().max())))
+
+
+def test_an_export_under_autocast_checks_dtypes_as_autocast_casts_them():
+    # Exporting under autocast, the layer checks its uncast operands by the dtypes autocast
+    # gives them: a bfloat16 layer takes a float32 input (autocast casts it), a float64 one
+    # does not (autocast leaves float64 alone), as in eager mode.
+    x = torch.randn(6, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = GroupedLinear(12, 6, groups=3).bfloat16()
+        got = torch.export.export(half, (x,)).module()(x)
+        assert got.dtype == torch.bfloat16
+        with pytest.raises(BlockDiagError, match="weight has dtype torch.float64 but input has dtype"):
+            torch.export.export(GroupedLinear(12, 6, groups=3).double(), (x,))
+
+
 @pytest.mark.parametrize("how", ["vjp", "jacrev-chunk1"])
 @pytest.mark.parametrize("name", ALL)
 def test_first_order_torch_func_outside_its_transform_runs_on_every_backend(name, how):

@@ -251,8 +251,14 @@ def _copy_state(src: nn.Module, dst: nn.Module, read: tuple | None = None) -> No
             b.requires_grad_(_trains(src, name, a))
 
 
-def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
-    """Check the operands' shapes, devices and dtypes (no batch size read); ``(G, out, in)``."""
+def _check_operands(
+    fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast_to: torch.dtype | None = None
+) -> tuple[int, int, int]:
+    """Check the operands' shapes, devices and dtypes (no batch size read); ``(G, out, in)``.
+
+    With ``cast_to`` (an export under autocast, see :func:`_autocast`), the dtypes must agree
+    once autocast has cast them to it, as the ops' autocast kernels will where the program runs.
+    """
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
     check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
@@ -266,8 +272,23 @@ def _check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     )
     if bias is not None:
         check(fn, tuple(bias.shape) == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
-    check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+    if cast_to is None:
+        check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
+        return g, o, i
+    named = [(k, t) for k, t in (("input", x), ("weight", weight), ("bias", bias)) if t is not None]
+    k0, t0 = named[0]
+    for k, t in named[1:]:
+        if t.device != t0.device:
+            check_same_device_dtype(fn, **dict(named))  # says which device, as outside an export
+        d, d0 = _autocast_dtype(t, cast_to), _autocast_dtype(t0, cast_to)
+        check(fn, d == d0, f"{k} has dtype {t.dtype} but {k0} has dtype {t0.dtype}, {d} and {d0} under "
+                           f"autocast; cast them to one dtype")
     return g, o, i
+
+
+def _autocast_dtype(t: torch.Tensor, dt: torch.dtype) -> torch.dtype:
+    """The dtype autocast to ``dt`` casts ``t`` to (see :func:`_autocast`)."""
+    return dt if t.is_floating_point() and t.dtype not in AUTOCAST_KEEPS else t.dtype
 
 
 def _problem(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Problem:
@@ -317,6 +338,8 @@ def _autocast(
     dev = x.device.type
     if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
         return x, weight, bias
+    if _export_records_uncast():
+        return x, weight, bias
     dt = torch.get_autocast_dtype(dev)
 
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -325,6 +348,35 @@ def _autocast(
         return t.to(dt)
 
     return cast(x), cast(weight), cast(bias)
+
+
+def _export_records_uncast() -> bool:
+    """Whether the layers leave autocast's casts to the ops: while non-strict ``torch.export`` traces.
+
+    It records torch's ops above autocast (``nn.Linear``'s ``aten.linear`` uncast), and the
+    program casts under the autocast in force where it runs, as the ops' autocast kernels do
+    for ours. Cast in Python, the autocast of the export was baked into the program, which
+    run without autocast returned bfloat16 and handed a following ``nn.Linear`` a bfloat16
+    input. Strict export (dynamo) keeps the casts: there an autocast block inside the model
+    cannot be told from one around the export, and torch's strict export of such a block
+    fails for ``nn.Linear`` ("Tensor dtype mismatch"), where the recorded casts keep it working.
+    """
+    return torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+
+
+def _export_autocast(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts ``x``'s device's products to where the export records them uncast, else None.
+
+    There the operands reach the ops uncast (see :func:`_export_records_uncast`), and the ops cast them.
+    """
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return None
+    dev = x.device.type
+    if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):
+        return None
+    if not _export_records_uncast():
+        return None
+    return torch.get_autocast_dtype(dev)
 
 
 def _run_cast(name: str, operands: tuple, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -560,7 +612,7 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         # Asked in this order, dynamo never reads ``_done``: a graph guarded on it would
         # recompile once the rules are registered (DTensor loaded after compiling).
         _sharding.ensure()
-    g, o, i = _check_operands(fn, x, weight, bias)
+    g, o, i = _check_operands(fn, x, weight, bias, _export_autocast(x))
     lead = x.shape[:-1]
     # The product of the sizes, not torch.Size.numel(), which makes a symbolic batch a
     # constant (an export with a dynamic batch of a 3-D input failed); and compared with 0 as

@@ -391,6 +391,10 @@ torch.library.register_fake("blockdiag::auto_backward", fake_backward, lib=LIB)
 LIB.impl("auto", _autograd_kernel, "Autograd", with_keyset=True)
 torch.library.register_vmap("blockdiag::auto", _vmap, lib=LIB)
 register_autocast("auto", FORWARD)
+# auto_inline is composite: without its own autocast kernel, a decomposition traced under
+# autocast (an exported program's run_decompositions inside a model's autocast block) ran
+# its body on the uncast operands and recorded a float32 product.
+register_autocast("auto_inline", INLINE)
 torch.library.register_vmap("blockdiag::auto_inline", _vmap_inline, lib=LIB)
 
 
