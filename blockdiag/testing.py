@@ -30,6 +30,9 @@ def reference_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ scipy.linalg.block_diag(*weight).T + bias`` computed in float64 numpy.
 
+    The result has ``x``'s dtype and device, as :func:`reference_loop`'s, so that it compares
+    with a backend's output on any device.
+
     >>> reference_scipy(torch.ones(1, 4), torch.ones(2, 1, 2), None)
     tensor([[2., 2.]])
 
@@ -45,7 +48,7 @@ def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = x.detach().cpu().double().numpy() @ w.T
     if bias is not None:
         y = y + bias.detach().cpu().double().numpy()
-    return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+    return torch.from_numpy(np.ascontiguousarray(y)).to(device=x.device, dtype=x.dtype)
 
 
 def tolerances(dtype: torch.dtype, k: int = 1, magnitude: float = 1.0) -> dict:

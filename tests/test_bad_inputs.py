@@ -177,3 +177,19 @@ def test_an_input_dtype_no_backend_runs_is_named_by_the_caller(backend, dtype):
     layer = GroupedLinear(G * I, G * O, G, bias=False, backend=backend)
     with pytest.raises(BlockDiagError, match=rf"^GroupedLinear: {pattern}"):
         torch.func.functional_call(layer, {"weight": w}, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("backend", ["auto", "bmm"])
+def test_an_input_dtype_no_backend_runs_is_refused_on_meta_and_compiled(backend, dtype):
+    # Meta operands ran (an int64 meta result), where CPU ones are refused; a compiled auto
+    # listed every backend's refusal under "choose:" inside dynamo's error, and a compiled
+    # named backend gave its own wording.
+    pattern = rf"^grouped_linear: input dtype={dtype!r} is not one any backend runs \(they run .*float32"
+    with pytest.raises(BlockDiagError, match=pattern):
+        grouped_linear(torch.ones(N, G * I, dtype=dtype, device="meta"),
+                       torch.ones(G, O, I, dtype=dtype, device="meta"), backend=backend)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: grouped_linear(x, w, backend=backend), backend="eager")
+    with pytest.raises(BlockDiagError, match=pattern):
+        compiled(torch.ones(N, G * I, dtype=dtype), torch.ones(G, O, I, dtype=dtype))

@@ -247,6 +247,49 @@ def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "blockdiag tune: interrupted\n"
 
 
+def _console_script(argv: list[str], slow_torch: bool = False) -> subprocess.Popen:
+    """The ``blockdiag`` script as pip writes it for pyproject's entry point, started on ``argv``.
+
+    ``slow_torch``: torch's import waits (a minute, or until a signal) after printing a line,
+    so that a signal can be sent while it runs, whatever this machine's speed.
+    """
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent  # the cwd: the entry module lies at the root
+    entry = tomllib.loads((root / "pyproject.toml").read_text())
+    module, func = entry["project"]["scripts"]["blockdiag"].split(":")
+    code = textwrap.dedent(f"""
+        import sys, time
+        class SlowTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    print("importing torch", flush=True)
+                    time.sleep(60)
+        if {slow_torch}:
+            sys.meta_path.insert(0, SlowTorch())
+        sys.argv[0] = "blockdiag"
+        from {module} import {func}
+        sys.exit({func}())
+    """)
+    return subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root)
+
+
+def test_an_interrupt_while_torch_imports_is_one_line_and_status_130():
+    # The console script's entry was blockdiag.cli, whose import imports torch before main
+    # runs: a Ctrl-C in the command's first second printed a traceback from inside torch.
+    p = _console_script(["explain", "--batch", "2", "--groups", "2", "--block", "2x2"], slow_torch=True)
+    try:
+        assert p.stdout.readline() == "importing torch\n"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert (p.returncode, err) == (130, "blockdiag: interrupted\n"), (p.returncode, err)
+    p = _console_script(["--version"])  # and the entry point runs the command line
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (0, "") and out.startswith("blockdiag "), (p.returncode, out, err)
+
+
 def test_a_corrupt_profile_is_one_warning_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -17,7 +17,7 @@ import blockdiag
 from blockdiag import BlockDiagError, Problem, grouped_linear
 from blockdiag.backends import get, names
 from blockdiag.backends.bsr import triton_applies
-from blockdiag.testing import backend_tolerances, reference_loop, tolerances
+from blockdiag.testing import backend_tolerances, reference_loop, reference_scipy, tolerances
 
 from _params import CUDA_MARKS
 
@@ -225,3 +225,15 @@ def test_layout_indices_are_cached_per_cuda_device():
     a = lay.csr_indices(torch.device("cuda"))
     b = lay.csr_indices(torch.device("cuda", torch.cuda.current_device()))
     assert a[0] is b[0] and a[0].device.type == "cuda"
+
+
+def test_reference_scipy_returns_on_the_input_device():
+    # It returned a CPU tensor for a CUDA input (reference_loop returns on the input's
+    # device): assert_close(run(x, w, b), reference_scipy(x, w, b)), the documented check of
+    # a new backend, failed on the devices alone.
+    pytest.importorskip("scipy")
+    x, w, b = (torch.randn(*shape, device="cuda") for shape in ((5, 6), (3, 4, 2), (12,)))
+    y = reference_scipy(x, w, b)
+    assert (y.device, y.dtype) == (x.device, x.dtype)
+    want = reference_loop(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(y, want, **tolerances(torch.float32, 2))

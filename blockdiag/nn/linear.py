@@ -613,6 +613,12 @@ def _run_op(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
         # recompile once the rules are registered (DTensor loaded after compiling).
         _sharding.ensure()
     g, o, i = _check_operands(fn, x, weight, bias, _export_autocast(x))
+    # The dtype check of the eager path (_problem), for meta and fake operands too, which
+    # no kernel refuses, and said as there: a traced auto listed every backend's refusal
+    # under "choose:". Only dtypes no backend may run (not floating point, or one byte:
+    # float8) pay for the registry's look-up; this path runs per call for meta operands.
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        check_dtype(fn, x.dtype, "input dtype")
     lead = x.shape[:-1]
     # The product of the sizes, not torch.Size.numel(), which makes a symbolic batch a
     # constant (an export with a dynamic batch of a 3-D input failed); and compared with 0 as
