@@ -30,7 +30,7 @@ from blockdiag.backends import get, names
 from blockdiag.testing import backend_tolerances, reference_loop, reference_scipy, tolerances
 
 from _builds import quick_compiler
-from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy, run_or_fail_on_hang
+from _params import CUDA, CUDA_MARKS, DEVICES, backend_spy, require_backend, run_or_fail_on_hang
 
 
 BACKENDS = [pytest.param(n, id=n) for n in names()]
@@ -630,11 +630,13 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
     # benchmark server forks its runners after that). Had one run OpenMP or MKL code (the
     # compiled backends' probes must not: simd's compiles and loads, here from a fresh
     # cache, and mkl_batch's looks up symbols), the forked child would hang in its first
-    # parallel op; the child's exit within the timeout is the check.
+    # parallel op; the child's exit within the timeout is the check. Two threads asked for:
+    # with one (CI's OMP_NUM_THREADS=1) no pool is ever started and the test could not fail.
     script = textwrap.dedent(
         """
         import os, sys, torch, blockdiag
         from blockdiag.backends import get
+        torch.set_num_threads(2)
         expected = sys.argv[1].split(",") if sys.argv[1] else []
         assert all(get(n).unavailable_reason() is None for n in expected), expected
         blockdiag.list_backends()
@@ -657,21 +659,29 @@ def test_listing_backends_and_planning_leave_the_process_safe_to_fork(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-@pytest.mark.skipif(get("simd").unavailable_reason() is not None, reason="simd unavailable here")
-def test_a_small_simd_call_leaves_the_process_safe_to_fork(tmp_path):
+@pytest.mark.parametrize("backend", ["simd", "mkl_batch"])
+def test_a_small_simd_or_mkl_batch_call_leaves_the_process_safe_to_fork(tmp_path, backend):
     # A child forked after its parent started OpenMP's thread pool hangs in its first parallel
-    # region. torch's small ops start none, but simd's first call did, however small: its
-    # self-check's reference was torch.bmm (which starts the pool at any size) and every kernel
-    # opened a parallel region on all of torch's threads. A parent that ran one tiny forward and
-    # backward, then forked (Hogwild!-style training), hung its child. Two threads asked for
-    # here: with one, no pool is ever started.
+    # region. torch's small ops start none, but the first call of simd or mkl_batch did, however
+    # small: their self-checks' reference was torch.bmm (which starts the pool at any size),
+    # simd's kernels opened a parallel region on all of torch's threads and MKL's batched GEMM
+    # woke its pool at any size. A parent that ran one tiny forward and backward, then forked
+    # (Hogwild!-style training), hung its child. Two threads asked for here: with one, no pool
+    # is ever started. The thread count (Linux) says so directly; the fork is the symptom.
+    require_backend(backend)
     script = textwrap.dedent(
         """
-        import os, torch, blockdiag
+        import os, sys, torch, blockdiag
         torch.set_num_threads(2)
+        def threads():
+            return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+        torch.randn(3, 4) @ torch.randn(4, 5)
+        before = threads()
         for dtype in (torch.float32, torch.float64):
-            layer = blockdiag.GroupedLinear(8, 6, 2, backend="simd", dtype=dtype)
+            layer = blockdiag.GroupedLinear(8, 6, 2, backend=sys.argv[1], dtype=dtype)
             layer(torch.randn(3, 8, dtype=dtype)).sum().backward()
+            blockdiag.GroupedLinear(8, 8, 2, backend=sys.argv[1], dtype=dtype)(torch.randn(1, 8, dtype=dtype))
+        assert threads() == before, f"{threads() - before} threads started"
         pid = os.fork()
         if pid == 0:
             torch.bmm(torch.randn(50, 2048, 64), torch.randn(50, 64, 64))
@@ -682,8 +692,8 @@ def test_a_small_simd_call_leaves_the_process_safe_to_fork(tmp_path):
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CC": quick_compiler(tmp_path / "quick"),
            "CXX": quick_compiler(tmp_path / "quick", "CXX", "c++")}
-    code, _, err = run_or_fail_on_hang([sys.executable, "-c", script], 120,
-                                       "a child forked after a small simd call (torch.bmm)", env=env)
+    code, _, err = run_or_fail_on_hang([sys.executable, "-c", script, backend], 120,
+                                       f"a child forked after a small {backend} call (torch.bmm)", env=env)
     assert code == 0, err
 
 

@@ -80,11 +80,45 @@ def test_an_mkl_that_disagrees_with_torch_is_refused_at_the_first_call(monkeypat
     monkeypatch.setattr(mkl_batch, "_gemm", wrong)
     mkl_batch._check.cache_clear()
     try:
-        assert "did not match torch.bmm" in mkl_batch._check()
+        assert "did not match torch's float64 product" in mkl_batch._check()
         with pytest.raises(BlockDiagError, match="mkl_batch: MKL's batched GEMM did not match"):
             grouped_linear(torch.randn(2, 4), torch.randn(2, 2, 2), None, backend="mkl_batch")
     finally:
         mkl_batch._check.cache_clear()
+
+
+def test_small_products_run_on_one_thread_and_restore_the_callers_setting(monkeypatch):
+    # A product under SERIAL_MACS multiply-adds asks MKL for this thread alone (so no OpenMP
+    # pool starts: test_backends' fork test) and gives back the caller's thread-local setting
+    # afterwards, here 3, whatever MKL computed with; the larger one leaves it alone.
+    local = mkl_batch._local_threads()
+    assert local is not None, "torch's MKL exports MKL_Set_Num_Threads_Local"
+    seen = []
+    real = mkl_batch._kernels()[0][torch.float32][0]
+
+    def spy(*a):
+        seen.append(local(0))  # the setting MKL runs under (0: the global one), put back below
+        local(seen[-1])
+        return real(*a)
+
+    found = {**mkl_batch._kernels()[0]}
+    found[torch.float32] = (spy, found[torch.float32][1])
+    monkeypatch.setattr(mkl_batch, "_kernels", lambda: (found, None))
+    previous = local(3)
+    try:
+        for n in (1, mkl_batch.SERIAL_MACS // 64):  # [n, 16] @ 2 blocks 8x4: 64 multiply-adds a row
+            x, w = torch.randn(n, 8), torch.randn(2, 8, 4)
+            torch.testing.assert_close(mkl_batch._forward(x, w, None), reference_loop(x, w, None))
+        assert local(3) == 3
+    finally:
+        local(previous)
+    assert seen == [1, 3]
+
+
+def test_a_library_without_the_thread_setter_still_computes(monkeypatch):
+    monkeypatch.setattr(mkl_batch, "_local_threads", lambda: None)
+    x, w, b = torch.randn(3, 8), torch.randn(2, 5, 4), torch.randn(10)
+    torch.testing.assert_close(mkl_batch._forward(x, w, b), reference_loop(x, w, b))
 
 
 def test_sizes_beyond_32_bits_are_declined():

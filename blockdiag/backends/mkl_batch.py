@@ -26,6 +26,16 @@ are passed as 64-bit integers holding values below ``2**31``: on little-endian x
 reads correctly under both the LP64 (32-bit) and the ILP64 (64-bit) MKL interface, and the
 constraint declines sizes that would not fit 32 bits.
 
+A product under ``SERIAL_MACS`` multiply-adds (the ``BD_SERIAL_MACS`` of ``simd``'s
+``_simd.c``) runs on the calling thread: MKL's batched call otherwise wakes its OpenMP pool
+at any size, and a pool once started makes the process unsafe to fork (the child of a later
+``fork`` hangs in its first parallel op), where torch's own small ops start none.
+``MKL_Set_Num_Threads_Local(1)`` asks this thread's MKL calls for one thread, and the
+previous thread-local value is restored after the call; a library without that symbol runs
+every product as before. The self-check's products are that small, and its float64
+reference is summed from elementwise products rather than taken from ``torch.bmm`` (whose
+path, and threads, depend on the build), so a first call starts no pool either.
+
 It wins where the copies it saves are large (large blocks at large batches); at small
 products MKL's batched call costs more per call than torch's kernels, so ``auto`` picks by
 the measured table. Under ``create_graph=True`` its backward is
@@ -64,6 +74,9 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _INT32_MAX = 2**31 - 1
 _SYMBOLS = {torch.float32: ("cblas_sgemm_batch", np.float32), torch.float64: ("cblas_dgemm_batch", np.float64)}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Products (rows*G*O*I multiply-adds) below this run on the calling thread: simd's
+# BD_SERIAL_MACS (_simd.c), see the module docstring.
+SERIAL_MACS = 32768
 
 
 def _torch_cpu_library() -> str:
@@ -92,6 +105,23 @@ def _kernels() -> tuple[Optional[dict], Optional[str]]:
         fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 13 + [ctypes.c_int64, ctypes.c_void_p]
         found[dtype] = (fn, np.array([1.0, 0.0], dtype=np_dtype))
     return found, None
+
+
+@functools.lru_cache(maxsize=None)
+def _local_threads():
+    """MKL's ``MKL_Set_Num_Threads_Local`` (an int by value, the previous value back), or None.
+
+    Not the lowercase ``mkl_set_num_threads_local`` the library also exports: that one is the
+    Fortran entry point, which reads its argument through a pointer (a C int there is a wild
+    pointer read; mkl_service.h maps the lowercase C name to this one by a macro).
+    """
+    try:
+        fn = ctypes.CDLL(_torch_cpu_library()).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int]
+    return fn
 
 
 @functools.lru_cache(maxsize=256)
@@ -204,8 +234,14 @@ def _gemm_impl(trans_a, trans_b, m, n, k, a, step_a, lda, b, step_b, ldb, c, ste
     )
     ints = np.array([trans_a, trans_b, m, n, k, lda, ldb, ldc, groups], dtype=np.int64)
     p, q, s = ptrs.ctypes.data, ints.ctypes.data, scalars.ctypes.data
-    fn(_ROW_MAJOR, q, q + 8, q + 16, q + 24, q + 32, s, p, q + 40, p + 8 * groups, q + 48,
-       s + scalars.itemsize, p + 16 * groups, q + 56, 1, q + 64)
+    local = _local_threads() if m * n * k * groups < SERIAL_MACS else None
+    previous = None if local is None else local(1)
+    try:
+        fn(_ROW_MAJOR, q, q + 8, q + 16, q + 24, q + 32, s, p, q + 40, p + 8 * groups, q + 48,
+           s + scalars.itemsize, p + 16 * groups, q + 56, 1, q + 64)
+    finally:
+        if previous is not None:
+            local(previous)  # torch's own: at::set_num_threads sets MKL's thread-local count
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,24 +403,25 @@ def _run_check(dtype: torch.dtype) -> Optional[str]:
     x = rand(n, g * i + 2)[:, 1 : 1 + g * i]
     gy = rand(n, g * o + 3)[:, 2 : 2 + g * o]
     w = rand(g, o, i)
-    xs = x.double().reshape(n, g, i).transpose(0, 1)
-    gys = gy.double().reshape(n, g, o).transpose(0, 1)
-    wd = w.double()
     gx = torch.empty(n, g * i, dtype=dtype, device="cpu")
     gw = torch.empty(g, o, i, dtype=dtype, device="cpu")
     _gemm(_NO_TRANS, _NO_TRANS, n, i, o, gy, o, gy.stride(0), w, o * i, i, gx, i, g * i, g)
     _gemm(_TRANS, _NO_TRANS, o, i, n, gy, o, gy.stride(0), x, i, x.stride(0), gw, o * i, i, g)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    # Broadcast products summed, not torch.bmm: these elementwise ops are below torch's grain
+    # size and run on the calling thread, where bmm's path (parallel, or MKL's own batched
+    # GEMM) depends on the build and the sizes; a pool started here would make a process
+    # forked after its first mkl_batch call hang in its child's first parallel op.
+    xs, gys, wd = x.double().reshape(n, g, 1, i), gy.double().reshape(n, g, o, 1), w.double()
     for what, got, want in (
-        ("forward", _forward(x, w, None),
-         torch.bmm(xs, wd.transpose(1, 2)).transpose(0, 1).reshape(n, g * o)),
-        ("input gradient", gx, torch.bmm(gys, wd).transpose(0, 1).reshape(n, g * i)),
-        ("weight gradient", gw, torch.bmm(gys.transpose(1, 2), xs)),
+        ("forward", _forward(x, w, None), (xs * wd).sum(-1).reshape(n, g * o)),
+        ("input gradient", gx, (gys * wd).sum(2).reshape(n, g * i)),
+        ("weight gradient", gw, (gys * xs).sum(0)),
     ):
         why = _mismatch(got, want, **tol)
         if why is not None:
-            return (f"MKL's batched GEMM did not match torch.bmm on a {str(dtype).replace('torch.', '')} "
-                    f"check product ({what}, N={n}, G={g}, {i}x{o}): {why}")
+            return (f"MKL's batched GEMM did not match torch's float64 product on a "
+                    f"{str(dtype).replace('torch.', '')} check product ({what}, N={n}, G={g}, {i}x{o}): {why}")
     return None
 
 
