@@ -102,11 +102,12 @@ def check_same_device_dtype(fn_name: str, **tensors: torch.Tensor | None) -> Non
         return
     k0, t0 = items[0]
     for k, t in items[1:]:
-        if t.device != t0.device:
+        same_device = t.device == t0.device  # once: this runs on every forward and backward
+        if not same_device:
             check_not_erased(fn_name, **dict(items))
         check(
             fn_name,
-            t.device == t0.device,
+            same_device,
             f"{k} is on {t.device} but {k0} is on {t0.device}; move them to one device",
         )
         check(

@@ -224,8 +224,25 @@ def _too_large(size: int) -> str:
     return f"too large: it is {size} bytes, over the {MAX_PROFILE_BYTES} bytes ({MAX_PROFILE_BYTES >> 20} MiB) a profile may be"
 
 
-@functools.lru_cache(maxsize=16)
+class _NotReadable(Exception):
+    """Raised out of :func:`_read_cached` so that lru_cache does not keep the outcome."""
+
+
 def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
+    """:func:`_read_cached`'s answer; a file that could not be opened or read is not remembered.
+
+    The signature is ``(mtime, size, inode)``, none of which a fix of the file's permissions
+    changes: cached, the failure would outlive the fix for the whole process (``save_entry``
+    and ``tune`` refusing to replace a profile that can be read again).
+    """
+    try:
+        return _read_cached(path, signature)
+    except _NotReadable as e:
+        return None, str(e)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_cached(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
     # Only a regular file of bounded size is read: opening a FIFO blocks until a writer
     # comes (forever, in every ``auto`` forward), and reading a device such as /dev/zero
     # never ends. The path is checked before it is opened (opening some devices has
@@ -249,7 +266,7 @@ def _read(path: str, signature: tuple) -> tuple[Optional[dict], Optional[str]]:
     except OSError as e:
         if e.errno in _MISSING:
             return None, None  # removed since the caller's stat: a missing file, not a corrupt one
-        return None, _unreadable(e)
+        raise _NotReadable(_unreadable(e)) from None
     # json.JSONDecodeError (and a UnicodeDecodeError) is a ValueError; a deeply nested
     # document raises RecursionError.
     except (ValueError, RecursionError) as e:
@@ -450,7 +467,7 @@ generation = 0
 def clear_cache() -> None:
     """Forget what was read from profile files (the next ``auto`` call reads them again)."""
     _forget()
-    _read.cache_clear()
+    _read_cached.cache_clear()
     _warned.clear()
 
 
@@ -533,8 +550,8 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
 
     A corrupt existing profile is replaced (its content could not be used anyway); a path
     naming something other than a regular file (a FIFO, a device, a directory), a file over
-    :data:`MAX_PROFILE_BYTES` and JSON of another format are not.
-    The read, the merge and the rename hold a lock on the file, so that concurrent savers
+    :data:`MAX_PROFILE_BYTES` and JSON of another format are not, nor is a profile that
+    cannot be opened or read (its permissions): its entries would be lost unread. The read, the merge and the rename hold a lock on the file, so that concurrent savers
     (two ``blockdiag tune`` runs) each keep the other's entries.
 
     Args:
@@ -549,8 +566,9 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
 
     Raises:
         BlockDiagError: if the entry is malformed (nothing is written, and ``auto`` does not
-            see it), the path names something other than a profile (see above), the directory
-            cannot be created or written, or another process holds the lock too long.
+            see it), the path names something other than a profile or a profile it cannot
+            read (see above), the directory cannot be created or written, or another process
+            holds the lock too long.
     """
     p = Path(path or default_profile_path())
     try:

@@ -806,7 +806,6 @@ def test_eager_auto_runs_the_heads_where_the_hidden_layer_is_large(limit, rows, 
         assert "HEADS_MIN_HIDDEN_BYTES" in plan.reason and "840 bytes" in plan.reason
 
 
-
 def test_eager_auto_sizes_the_hidden_layers_not_the_output(monkeypatch, chain_spy, heads_spy):
     # The output is made whatever runs; the heads save only the hidden layers' tensors. Here
     # the widest hidden layer (3 heads x 5 units, 7 rows of float64) is 840 bytes, under
@@ -820,6 +819,7 @@ def test_eager_auto_sizes_the_hidden_layers_not_the_output(monkeypatch, chain_sp
     assert model.plan(x).strategy == "fm_chain"
     model(x)
     assert (len(heads_spy), len(chain_spy)) == (0, 1)
+
 
 def test_eager_auto_runs_the_heads_at_the_compiled_benchs_large_point():
     # bench --compiled's mlp point of 2048 rows, 256 heads of 64x64, float32: each layer-wise

@@ -663,6 +663,12 @@ def test_from_heads_takes_heads_whose_activation_settings_are_nan_alike(setting)
                      id="append"),
         pytest.param(lambda m: m.activations.__delitem__(0), r"it holds one activation per hidden layer \(2\)",
                      id="del"),
+        # add_module and register_module write the container's dict past __setattr__.
+        pytest.param(lambda m: m.activations.register_module("0", nn.Softmax(-1)),
+                     r"GroupedMLP.activations: activations\[0\] is Softmax\(dim=-1\), which is not element-wise",
+                     id="register_module"),
+        pytest.param(lambda m: m.activations.add_module("2", nn.Tanh()),
+                     r"it holds one activation per hidden layer \(2\); replace one", id="add_module"),
     ],
 )
 def test_grouped_mlp_refuses_activations_replaced_by_what_it_cannot_apply(replace, match):

@@ -665,3 +665,21 @@ def test_a_change_on_disk_is_reported_once(tmp_path, how):
         path.unlink()
     assert profile.changed_on_disk() is True
     assert profile.changed_on_disk() is False
+
+
+def test_a_profile_that_could_not_be_opened_is_read_once_it_can_be(tmp_path, monkeypatch):
+    # The read was cached on (mtime, size, inode), which fixing a file's permissions leaves
+    # alone: once refused, save_entry (and tune) went on refusing to write it, "fix its
+    # permissions", after they were fixed, until the process ended.
+    path = write(tmp_path / "p.json", entry([point(loop=1.0)]))
+
+    def unreadable(p, sig):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(profile.os, "fdopen", unreadable)
+    with pytest.raises(BlockDiagError, match="would be replaced unread"):
+        profile.save_entry(entry([point(loop=2.0)]), path)
+    monkeypatch.undo()  # the permissions fixed: the file itself is as it was
+    doc, err = profile.read_profile(path)
+    assert err is None and doc is not None
+    profile.save_entry(entry([point(loop=2.0)]), path)

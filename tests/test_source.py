@@ -111,6 +111,8 @@ def test_everything_but_the_scipy_interop_runs_without_scipy(tmp_path):
             blockdiag.to_blocks([[1.0]], 1)
         except BlockDiagError as e:
             assert "scipy sparse matrix, got list" in str(e), e
+        else:
+            raise AssertionError("to_blocks took a list")
         for call in (lambda: blockdiag.to_scipy(torch.eye(4)), lambda: blockdiag.from_scipy(object(), 1),
                      lambda: reference_scipy(torch.ones(1, 4), torch.ones(2, 1, 2), None)):
             try:

@@ -103,6 +103,7 @@ static void CAT(tile_groups_any, SFX)(const T* a, int64_t lda, const T* p, int64
 static void CAT(tile_long, SFX)(const T* a, int64_t lda, const T* p, int64_t ldp, int64_t K, const T* bias,
                                 T* c, int64_t ldc, int64_t nw, int rr, int nv)
 {
+    _Static_assert(RTILE(1) <= 8, "tile_long's partial sums hold 8 rows, as tile's accumulators");
     T part[8 * MAXNV * VL];
     CAT(tile_any, SFX)(a, lda, p, ldp, KBLOCK, bias, c, ldc, nw, rr, nv);
     for (int64_t k0 = KBLOCK; k0 < K; k0 += KBLOCK) {

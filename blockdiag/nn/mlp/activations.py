@@ -168,13 +168,21 @@ class Activations(nn.ModuleList):
 
     def __init__(self, modules=()):
         super().__init__()
-        for k, m in enumerate(modules):  # not through extend, which is refused
-            self.add_module(str(k), m)
+        for k, m in enumerate(modules):  # not through extend or add_module, which are refused
+            nn.Module.add_module(self, str(k), m)
 
     def __setattr__(self, name: str, value: object) -> None:
         if isinstance(value, nn.Module) and name.isdigit():  # ModuleList.__setitem__ sets "<k>"
             _check_activation("GroupedMLP.activations", value, f"activations[{name}]")
         super().__setattr__(name, value)
+
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        # add_module and register_module write the dict past __setattr__: a replacement there
+        # is checked alike, and a new name would add an activation.
+        if name not in self._modules:
+            self._refuse_resize()
+        _check_activation("GroupedMLP.activations", module, f"activations[{name}]")
+        super().add_module(name, module)
 
     def _refuse_resize(self, *args, **kwargs):
         check("GroupedMLP.activations", False,
