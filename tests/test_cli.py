@@ -85,6 +85,19 @@ def test_explain_without_profile_uses_builtin(capsys):
     assert "backend:" in out and "built-in defaults" in out and "sparsity_threshold=" in out
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "frozen"])
+def test_explain_prints_the_plan_of_the_layer_on_the_backends_page(capsys, train):
+    # backends.md: "blockdiag explain ... prints the same report" as layer.plan(x). A layer
+    # whose parameters require grad plans for training, which explain says with --train only.
+    import blockdiag
+
+    layer = blockdiag.GroupedLinear(50 * 150, 50 * 10, groups=50).requires_grad_(train)
+    plan = layer.plan(torch.randn(256, 50 * 150))
+    argv = ["explain", "--batch", "256", "--groups", "50", "--block", "150x10"] + (["--train"] if train else [])
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith(str(plan) + "\n")
+
+
 def test_bench_json(tmp_path, capsys, monkeypatch):
     out_json = tmp_path / "b.json"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")

@@ -917,6 +917,39 @@ def test_reentrant_checkpoint_recomputes_the_random_activation_it_ran(act, compi
         model(torch.randn(32, 8))  # deciding as in training runs under inference mode too
 
 
+def test_plan_under_no_grad_with_a_random_activation_shows_the_layer_plans_that_run():
+    # Under no_grad with a Dropout in training, auto decides its strategy as in training (the
+    # mask is drawn in the strategy's layout), but where that is the layers, each layer runs
+    # its own no_grad plan: plan() reported the training plans the decision compared (another
+    # backend than the one that ran, where the table ranks the two modes apart).
+    model = GroupedMLP(8, 16, 4, heads=4, activation=_relu_dropout)
+    ran = []  # each layer's plan for the input it gets, as its forward plans it
+    for layer in model.layers:  # hooked layers: auto runs the layers
+        layer.register_forward_pre_hook(lambda mod, args: ran.append(mod.plan(args[0])))
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        plan = model.plan(x)
+        model(x)
+    assert plan.strategy == "layers"
+    assert [p.problem for p in plan.layers] == [p.problem for p in ran]
+    assert [p.backend for p in plan.layers] == [p.backend for p in ran]
+    assert not any(p.problem.requires_grad for p in plan.layers)
+
+
+def test_plan_under_no_grad_and_saved_tensor_hooks_with_a_random_activation(chain_spy, heads_spy):
+    # Saved-tensor hooks rule the chain and the heads out only where autograd records: under
+    # no_grad the forward decides from the table (as in training, for the Dropout), but plan()
+    # decided in training's grad mode and named the hooks and the layers, which did not run.
+    model = GroupedMLP(8, [16, 16], 2, heads=50, shared_input=False, activation=_relu_dropout)
+    x = torch.randn(64, 8 * 50)
+    with torch.no_grad(), torch.autograd.graph.save_on_cpu():
+        plan = model.plan(x)
+        model(x)
+    ran = "fm_chain" if chain_spy else "heads" if heads_spy else "layers"
+    assert plan.strategy == ran, plan.reason
+    assert "saved-tensor hooks" not in plan.reason
+
+
 @pytest.mark.parametrize("how", ["layers", "auto-hooked", "layers-planned", "fx-planned"])
 def test_reentrant_checkpoint_draws_the_dropout_mask_of_the_returned_forward(how, monkeypatch):
     # The layers strategy under a reentrant checkpoint: each layer's auto plan follows the

@@ -789,6 +789,56 @@ def test_to_linears_and_to_heads_copy_a_hook_computed_weight_as_of_now(kind):
     assert all(h[2].weight.requires_grad for h in heads)
 
 
+def test_plan_runs_no_parametrization_and_leaves_the_next_forward_as_it_was():
+    # plan() reads no data, but it read layer.weight, which runs a parametrization: a
+    # spectral_norm layer stepped its power iteration (the next forward's output moved), a
+    # random one drew, once per call of plan() and per layer of GroupedMLP.plan().
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 12)
+    layer = parametrizations.spectral_norm(GroupedLinear(12, 8, groups=4))
+    twin = copy.deepcopy(layer)
+    model = GroupedMLP(12, [8], 2, heads=4)
+    parametrizations.spectral_norm(model.layers[1])
+    model_twin = copy.deepcopy(model)
+    calls = []
+
+    class Counted(nn.Module):
+        def forward(self, b):
+            calls.append(1)
+            return b
+
+    frozen = GroupedLinear(12, 8, groups=4).requires_grad_(False)
+    parametrize.register_parametrization(frozen, "bias", Counted())
+    frozen.parametrizations.bias.original.requires_grad_(True)
+    calls.clear()  # registering runs it once
+    for _ in range(3):
+        assert layer.plan(x).problem.requires_grad
+        assert model.plan(x).layers[1].problem.requires_grad
+        assert frozen.plan(x).problem.requires_grad  # the original's requires_grad is the computed value's
+    assert calls == []
+    torch.testing.assert_close(layer(x), twin(x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), model_twin(x), rtol=0, atol=0)
+    with torch.no_grad():
+        assert not layer.plan(x).problem.requires_grad
+
+
+@pytest.mark.parametrize("kind", ["prune", "weight_norm", "spectral_norm"])
+def test_plan_of_a_hook_computed_weight_follows_the_next_forward(kind):
+    # prune and the old weight_norm / spectral_norm keep the weight their pre-hook computed at
+    # the last forward: after a no_grad forward it required no grad, and plan() (grad on)
+    # planned for inference where the next forward recomputes it with grad and trains.
+    x = torch.randn(8, 12)
+    layer = _old_style(kind)(GroupedLinear(12, 8, groups=4, bias=False))
+    with torch.no_grad():
+        layer(x)
+    assert layer.plan(x).problem.requires_grad and layer(x).requires_grad
+    for name in ("weight_g", "weight_v") if kind == "weight_norm" else ("weight_orig",):
+        getattr(layer, name).requires_grad_(False)
+    assert not layer.plan(x).problem.requires_grad and not layer(x).requires_grad
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_conversions_of_parametrized_modules_keep_requires_grad_under_no_grad(grad):
     # requires_grad was read from the computed weight, which under no_grad never requires

@@ -236,6 +236,44 @@ def _read_current(module: nn.Module, name: str) -> torch.Tensor | None:
     return value
 
 
+def _planned_operand(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``module.<name>`` as a plan reads it: the shape, dtype, device and ``requires_grad`` the
+    next forward's value has, without computing that value.
+
+    A plan reads no data, but reading a parametrized tensor runs its parametrization
+    (``spectral_norm`` steps its power iteration in training, a random one draws), so the
+    parametrization's ``original`` stands in (of the same shape and dtype, which torch checks
+    where it is not registered ``unsafe``), requiring grad where any of its parameters does.
+    ``torch.nn.utils.prune`` and the old ``weight_norm`` / ``spectral_norm`` keep the value
+    their pre-hook computed at the last forward, which requires grad only if that forward
+    recorded: whether the next one records follows the hook's parameters.
+    """
+    plist = module._modules.get("parametrizations")
+    if plist is not None and name in plist._modules:
+        chain = plist._modules[name]
+        orig = chain._parameters.get("original")
+        # torch keeps a parametrization's shape and dtype those of the original, unless it was
+        # registered with unsafe=True: that one is computed, as the forward computes it.
+        if isinstance(orig, torch.Tensor) and orig.is_floating_point() and not getattr(chain, "unsafe", True):
+            return orig.detach().requires_grad_(any(t.requires_grad for t in chain.parameters()))
+        return getattr(module, name)
+    value = getattr(module, name)
+    sources: tuple = ()
+    prune = sys.modules.get("torch.nn.utils.prune")
+    for hook in module._forward_pre_hooks.values():
+        if prune is not None and isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == name:
+            sources = (name + "_orig",)
+        elif isinstance(hook, _WeightNorm) and hook.name == name:
+            sources = (name + "_g", name + "_v")
+        elif isinstance(hook, _SpectralNorm) and hook.name == name:
+            sources = (name + "_orig",)
+    params = [module._parameters.get(src) for src in sources]
+    if params and isinstance(value, torch.Tensor) and value.is_floating_point() \
+            and all(isinstance(t, torch.Tensor) for t in params):
+        return value.detach().requires_grad_(any(t.requires_grad for t in params))
+    return value
+
+
 def _copy_state(src: nn.Module, dst: nn.Module, read: tuple | None = None) -> None:
     """``src``'s training flag and its parameters' ``requires_grad`` onto ``dst`` (a conversion's copy).
 
@@ -833,7 +871,7 @@ class GroupedLinear(nn.Module):
             BlockDiagError: an input the layer cannot run (shape, dtype, device), or a named
                 backend that declines it.
         """
-        x0, w0, b0 = x, self.weight, self.bias
+        x0, w0, b0 = x, _planned_operand(self, "weight"), _planned_operand(self, "bias")
         x, w, b = _autocast(x0, w0, b0)
         try:
             return plan_for(self.backend, _problem(type(self).__name__, x, w, b), type(self).__name__)

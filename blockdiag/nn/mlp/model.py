@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -57,6 +58,10 @@ def _frozen_trace(x: torch.Tensor, layers: Sequence[GroupedLinear]) -> bool:
         return True
     return not x.requires_grad and not any(
         t is not None and t.requires_grad for layer in layers for t in layer._parameters.values())
+
+
+# How plan() starts the reason where auto's own checks rule the chain out, before any table.
+_NOT_ALLOWED = "the chain is not allowed here: "
 
 
 class GroupedMLP(StrategyChoice, nn.Module):
@@ -442,9 +447,24 @@ class GroupedMLP(StrategyChoice, nn.Module):
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
         self._refuse_foreign_input(fn, x)
-        if not torch.is_grad_enabled() and self._strategy == "auto" and self._random_acts():
+        # The caller's grad mode: saved-tensor hooks rule the chain out only where autograd
+        # records, also where the strategy is decided as in training (see _auto_strategy).
+        recorded = torch.is_grad_enabled()
+        if not recorded and self._strategy == "auto" and self._random_acts():
             with torch.enable_grad():  # auto decides as in training here (see _auto_strategy)
-                return self.plan(x)
+                decided = self._plan(fn, x, recorded)
+            # Only the strategy is decided as in training: where it is the layers, each layer
+            # still plans for the grad mode it runs in (no_grad: inference), so the layer plans
+            # reported are those, not the training plans the decision compared.
+            reason = decided.reason
+            if not reason.startswith(_NOT_ALLOWED):
+                reason = ("decided as in training, as a random activation (Dropout, RReLU in training) draws "
+                          f"its numbers in the strategy's layout; each layer runs its no_grad plan: {reason}")
+            return dataclasses.replace(decided, layers=self._layer_plans(x), reason=reason)
+        return self._plan(fn, x, recorded)
+
+    def _plan(self, fn: str, x: torch.Tensor, recorded: bool) -> MLPPlan:
+        """:meth:`plan` after its checks; ``recorded``: whether autograd records in the caller's grad mode."""
         plans = self._layer_plans(x)
         if self._strategy == "layers":
             return MLPPlan("layers", "layers", "fixed by the user (strategy='layers')", layers=plans)
@@ -453,9 +473,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
             why = self._forced_refusal(x, s_)
             check(fn, why is None, why)
             return MLPPlan(s_, s_, f"fixed by the user (strategy={s_!r})", layers=plans)
-        why = self._auto_context(x)
+        why = self._auto_context(x, recorded)
         if why is not None:
-            return MLPPlan("layers", "auto", f"the chain is not allowed here: {why}", layers=plans)
+            return MLPPlan("layers", "auto", f"{_NOT_ALLOWED}{why}", layers=plans)
         if any(p.problem.requires_grad for p in plans) and self._eager_heads_pay(x):
             if self._eager_heads_rule(x):
                 area, heads, rows = _strategy.EAGER_HEADS_RULE

@@ -290,8 +290,12 @@ class StrategyChoice:
                 return f"activations[{k}] has hooks, which would see {activation_sees}"
         return None
 
-    def _auto_context(self, x: torch.Tensor) -> Optional[str]:
-        """Why ``auto`` runs the layers whatever the table says, or None (the cheap checks first)."""
+    def _auto_context(self, x: torch.Tensor, recorded: Optional[bool] = None) -> Optional[str]:
+        """Why ``auto`` runs the layers whatever the table says, or None (the cheap checks first).
+
+        ``recorded``: the grad mode the model is called in (default: the one in force), which
+        decides whether saved-tensor hooks matter where the strategy is decided as in training.
+        """
         if torch.compiler.is_compiling() and x.device.type not in CHAIN_WHEREVER_ALLOWED:
             return ("torch.compile or export is tracing, and on this device the table decides per batch: each "
                     "layer plans as auto does in a traced graph, so one graph serves every batch size")
@@ -305,7 +309,7 @@ class StrategyChoice:
             return "a torch.func transform is active"
         if _autocast_on():
             return "autocast is on: each layer casts and plans in autocast's dtype"
-        if torch.is_grad_enabled() and saved_tensors_hooked():
+        if (torch.is_grad_enabled() if recorded is None else recorded) and saved_tensors_hooked():
             return ("saved-tensor hooks are in force (a non-reentrant checkpoint, save_on_cpu): its recomputation "
                     "must save what the forward saved, whether or not a global module hook is registered in "
                     "one of the two")
