@@ -9,7 +9,9 @@ build can fail.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
+import random
 import re
 import tempfile
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 
 from blockdiag import BlockDiagError, grouped_linear
 from blockdiag.backends import _simd_ops, get, simd
-from blockdiag.testing import reference_loop
+from blockdiag.testing import reference_loop, tolerances
 
 from _builds import quick_compiler
 
@@ -370,6 +372,35 @@ def test_the_forward_and_input_gradient_over_many_inputs_stay_accurate(route, bl
     for name, got, want in (("output", y.detach(), want_y), ("input gradient", gx, want_gx)):
         rel = float((got.double() - want).abs().max() / want.abs().max())
         assert rel < 1.5e-6, f"{name}: relative error {rel:.1e} over {o}x{i} blocks"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_products_over_more_than_one_block_of_256_terms_match_the_loop_reference(dtype, route):
+    # The broadcast tile's K > 256 path (tile_long: blocks of 256 terms summed apart, then added)
+    # in the forward (K = block_in) and the input gradient (K = block_out), on column slices of
+    # wider tensors (leading dimensions past the width), with random sizes: a last block of any
+    # length, partial row tiles, one column chunk (11-12 outputs: under every variant's chunk,
+    # above its dot-form limit) and several (65-100). Input-gradient blocks stay under
+    # BLAS_GRADS_MIN_BLOCK so the kernels, not BLAS, compute them.
+    rng = random.Random(90)
+    gen = torch.Generator().manual_seed(90)
+    for which, (lo, hi), bias in itertools.product(("forward", "input gradient"), ((11, 12), (65, 100)),
+                                                    (True, False)):
+        k, nw = rng.randint(257, 600), rng.randint(lo, hi)
+        i, o = (k, nw) if which == "forward" else (nw, k)
+        n, g, pad = rng.randint(1, 40), rng.randint(1, 3), rng.randint(1, 5)
+        wide = torch.randn(n, g * i + 2 * pad, dtype=dtype, generator=gen)
+        x = wide[:, pad : pad + g * i].requires_grad_(True)
+        w = torch.randn(g, o, i, dtype=dtype, generator=gen, requires_grad=True)
+        b = torch.randn(g * o, dtype=dtype, generator=gen, requires_grad=True) if bias else None
+        gy = torch.randn(n, g * o + pad, dtype=dtype, generator=gen)[:, pad:]
+        got = _grads(lambda *t: grouped_linear(*t, backend="simd"), x, w, b, gy)
+        up = [None if t is None else t.detach().double().requires_grad_(True) for t in (x, w, b)]
+        want = _grads(reference_loop, *up, gy.double())
+        for name, a, c, terms in zip(("y", "gx", "gw", "gb"), got, want, (i, o, n, n)):
+            tol = tolerances(dtype, k=terms, magnitude=float(c.detach().abs().max()))
+            torch.testing.assert_close(a.detach().double(), c.detach(), **tol,
+                                       msg=lambda m, s=f"{which} {name} N={n} G={g} {i}x{o}": f"{s}: {m}")
 
 
 def test_first_use_from_many_threads_builds_the_library_once(tmp_path):
