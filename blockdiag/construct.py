@@ -10,6 +10,7 @@ differentiable with respect to ``blocks`` and the gradient is compact (never a d
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import sys
 from typing import Any, Sequence
@@ -293,17 +294,32 @@ def _blocks_from_coo(
 _SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
-def _scipy_sparse(fn: str):
-    """``scipy.sparse``, imported on first use: SciPy is an optional dependency.
+def _import_scipy(module: str, fn: str, missing: str):
+    """SciPy's ``module``, imported on first use for ``fn``: SciPy is an optional dependency.
+
+    Only a SciPy that is absent gets the ``missing`` advice (how to install it); one that is
+    installed but fails to import (a shared library missing, built for another numpy) gets
+    its own error, since installing it again changes nothing.
 
     Raises:
-        ImportError: naming ``fn`` and how to install SciPy, where it is not installed.
+        ImportError: naming ``fn`` and either how to install SciPy or why it did not import.
     """
     try:
-        return importlib.import_module("scipy.sparse")
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{fn} needs SciPy, which is not installed: pip install 'scipy>=1.10' "
-                          f"(or the blockdiag checkout's scipy extra, pip install -e '.[scipy]')") from e
+        if importlib.util.find_spec("scipy") is None:  # absent, or hidden by a None in sys.modules
+            raise ImportError(f"{fn} needs SciPy, which is not installed: {missing}") from e
+        raise ImportError(f"{fn} needs SciPy, which is installed but does not import: {e}") from e
+
+
+def _scipy_sparse(fn: str):
+    """``scipy.sparse``, imported on first use (see :func:`_import_scipy`).
+
+    Raises:
+        ImportError: naming ``fn`` and how to install SciPy, or why it did not import.
+    """
+    return _import_scipy("scipy.sparse", fn, "pip install 'scipy>=1.10' (or the blockdiag "
+                         "checkout's scipy extra, pip install -e '.[scipy]')")
 
 
 def to_blocks(matrix: Any, groups: int) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -37,13 +35,12 @@ def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     tensor([[2., 2.]])
 
     Raises:
-        ImportError: where SciPy (an optional dependency) is not installed.
+        ImportError: where SciPy (an optional dependency) is not installed or does not import.
     """
-    try:
-        linalg = importlib.import_module("scipy.linalg")
-    except ImportError as e:
-        raise ImportError("reference_scipy needs SciPy, which is not installed: pip install 'scipy>=1.10'; "
-                          "reference_loop needs nothing more than torch") from e
+    from .construct import _import_scipy
+
+    linalg = _import_scipy("scipy.linalg", "reference_scipy", "pip install 'scipy>=1.10'; "
+                           "reference_loop needs nothing more than torch")
     w = linalg.block_diag(*weight.detach().cpu().double().numpy())
     y = x.detach().cpu().double().numpy() @ w.T
     if bias is not None:

@@ -130,3 +130,30 @@ def test_everything_but_the_scipy_interop_runs_without_scipy(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "BLOCKDIAG_PROFILE": str(tmp_path / "p.json")})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_a_scipy_that_does_not_import_is_not_called_missing(tmp_path):
+    # A SciPy that is installed but fails to import (a shared library missing, built for
+    # another numpy) was reported as "not installed: pip install 'scipy>=1.10'", advice that
+    # changes nothing (pip says it is already satisfied); the cause was only in the chain.
+    (tmp_path / "scipy").mkdir()
+    (tmp_path / "scipy" / "__init__.py").write_text('raise ImportError("libgfortran.so.5: cannot open")\n')
+    script = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import torch, blockdiag
+        from blockdiag.testing import reference_scipy
+        for call in (lambda: blockdiag.to_scipy(torch.eye(2)),
+                     lambda: reference_scipy(torch.ones(1, 2), torch.ones(1, 2, 1), None)):
+            try:
+                call()
+            except ImportError as e:
+                assert "installed but does not import: libgfortran.so.5" in str(e), e
+                assert "not installed" not in str(e), e
+            else:
+                raise AssertionError("ran with a broken scipy")
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "BLOCKDIAG_PROFILE": str(tmp_path / "p.json")})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
