@@ -383,12 +383,12 @@ _cache: dict = {}
 _cache_generation = -1
 
 
-_CODE_SUFFIXES = (".py", ".c", ".h")
+_CODE_SUFFIXES = (".py", ".c", ".h", ".cpp")
 _CODE_DIGESTS: dict = {}
 
 
 def code_digest(root: Optional[str] = None) -> str:
-    """A digest of the source under ``root`` (blockdiag's package: its .py, .c and .h files).
+    """A digest of the source under ``root`` (blockdiag's package: its .py, .c, .h and .cpp files).
 
     Read once per process and root. The version alone does not tell two checkouts of one
     version apart (an editable install, a git pull), whose traced graphs can decompose

@@ -1118,6 +1118,15 @@ def test_code_digest_moves_with_the_source(tmp_path):
     (same / "sub").mkdir(parents=True)
     (same / "sub" / "kernel.c").write_text("int f(void) { return 1; }\n")
     assert code_digest(str(same)) == before  # by content and relative path, not by place or mtime
+    # The C++ ops' source too (_simd_ops.cpp): it was not hashed.
+    cpp = tmp_path / "cpp"
+    cpp.mkdir()
+    (cpp / "ops.cpp").write_text("int g() { return 1; }\n")
+    first = code_digest(str(cpp))
+    cpp2 = tmp_path / "cpp2"
+    cpp2.mkdir()
+    (cpp2 / "ops.cpp").write_text("int g() { return 2; }\n")
+    assert code_digest(str(cpp2)) != first
 
 
 # ----------------------------------------------------------------------- GroupedMLP hooks
