@@ -551,8 +551,9 @@ def save_entry(entry: dict, path: Path | str | None = None, merge: Optional[Call
     A corrupt existing profile is replaced (its content could not be used anyway); a path
     naming something other than a regular file (a FIFO, a device, a directory), a file over
     :data:`MAX_PROFILE_BYTES` and JSON of another format are not, nor is a profile that
-    cannot be opened or read (its permissions): its entries would be lost unread. The read, the merge and the rename hold a lock on the file, so that concurrent savers
-    (two ``blockdiag tune`` runs) each keep the other's entries.
+    cannot be opened or read (its permissions): its entries would be lost unread. The read, the
+    merge and the rename hold a lock on the file, so that concurrent savers (two ``blockdiag
+    tune`` runs) each keep the other's entries.
 
     Args:
         entry: the entry to store under its key.
