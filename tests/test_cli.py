@@ -194,6 +194,33 @@ def test_measure_reports_failures_and_prunes():
     assert calls["slow"] == 4
 
 
+@pytest.mark.parametrize("min_time", [0.0, 1e-2])
+def test_measure_never_times_a_steps_first_call(monkeypatch, min_time):
+    # A step's first call can do one-time work (auto's plan, simd's library build and
+    # self-check): measure makes it untimed, so no sample holds it. On a scripted clock that
+    # only the steps move, the first call of "cold" costs 1000 s and every later call 1 ms.
+    from types import SimpleNamespace
+
+    from blockdiag.tuning import _timer
+
+    now = [0.0]
+    monkeypatch.setattr(_timer, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0]))
+    calls = {"cold": 0}
+
+    def cold():
+        calls["cold"] += 1
+        now[0] += 1000.0 if calls["cold"] == 1 else 1e-3
+
+    def warm():
+        now[0] += 2e-3
+
+    taken = {}
+    times, failed = measure({"cold": cold, "warm": warm}, "cpu", rounds=3, min_time=min_time, keep=("cold",),
+                            per_round=taken)
+    assert not failed and times["cold"] == pytest.approx(1e-3) and times["warm"] == pytest.approx(2e-3)
+    assert taken["cold"] == pytest.approx([1e-3] * len(taken["cold"]))
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="the platform does not count page faults")
 def test_measure_counts_page_faults_per_call():
     import mmap

@@ -443,3 +443,32 @@ def test_a_change_of_this_threads_count_moves_the_generation(recheck_every):
         assert st.generation != before
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("backend", ["auto", "simd"])
+def test_a_training_step_plans_once_and_looks_at_no_file(monkeypatch, recheck_every, backend):
+    # Training steps through auto cost what the chosen backend costs plus the hit path: after
+    # the first step no call plans again (a re-plan per call costs several times a small
+    # product's forward and backward) and none stats a file between two looks.
+    if backend == "simd" and blockdiag.backends.get("simd").decline_reason(Problem(32, 4, 16, 16)):
+        pytest.skip("simd does not run here")
+    recheck_every(3600.0)
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(4, 16, 16, requires_grad=True)
+    b = torch.randn(64, requires_grad=True)
+    gy = torch.randn(32, 64)
+
+    def step():
+        blockdiag.grouped_linear(x, w, b, backend=backend).backward(gy)
+        x.grad = w.grad = b.grad = None
+
+    step()
+    step()
+    plans, stats = [], []
+    real_plan, real_stat = dispatch._auto_plan, os.stat
+    monkeypatch.setattr(dispatch, "_auto_plan", lambda *a, **k: plans.append(a) or real_plan(*a, **k))
+    monkeypatch.setattr(os, "stat", lambda *a, **k: stats.append(a) or real_stat(*a, **k))
+    gen = st.generation
+    for _ in range(50):
+        step()
+    assert (plans, stats, st.generation) == ([], [], gen)
