@@ -7,6 +7,7 @@ import re
 import statistics
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -1306,3 +1307,27 @@ def test_bench_of_backends_all_skipped_at_a_point_summarizes_and_writes_json(tmp
     assert d["complete"] and d["rows"][0]["fastest"] is None and "dense" in d["rows"][0]["skipped"]
     assert d["summary"]["forward"]["points"] == 1 and "max_auto_over_fastest" not in d["summary"]["forward"]
     assert "skipped: its dense matrix" in capsys.readouterr().out
+
+
+def test_threads_option_picks_the_profile_entry_of_that_thread_count(tmp_path, capsys):
+    # The profile's CPU entries are per thread count: explaining the plan of a run with N
+    # threads needs N threads in the explaining process too, whatever the shell's default.
+    path = tmp_path / "p.json"
+    before = torch.get_num_threads()
+    assert main(["tune", *TINY, "--mode", "forward", "--threads", "1", "--profile", str(path)]) == 0
+    assert torch.get_num_threads() == before  # restored: main() may run inside a process that goes on
+    assert json.loads(path.read_text())["entries"]
+    capsys.readouterr()
+    explain = ["explain", "--batch", "32", "--groups", "4", "--block", "16x16", "--profile", str(path)]
+    for threads, source in (("1", str(path)), ("3", "built-in defaults")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main([*explain, "--threads", threads]) == 0
+        # Under another count, the warning names both counts: the user sees why the entry was not used.
+        named = [str(w.message) for w in caught if "(1 threads)" in str(w.message) and "(3 threads)" in str(w.message)]
+        assert len(named) == (threads == "3"), [str(w.message) for w in caught]
+        out = capsys.readouterr().out
+        table = next(line for line in out.splitlines() if line.strip().startswith("table:"))
+        assert source in table, (threads, table)
+        assert f"planned for {threads} CPU threads" in out
+    assert torch.get_num_threads() == before

@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--epochs", type=_positive, default=3, help="epochs of each model")
     d.add_argument("--lr", type=_learning_rate, default=1e-3, help="Adam's learning rate")
     d.add_argument("--seed", type=_seed, default=0, help="random seed")
+    _add_threads_option(d)
     d.set_defaults(func=cmd_demo)
 
     from ..tuning import BENCH_REFINE, TIE_MARGIN
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {TIE_MARGIN:g}; 0 disables)")
     t.add_argument("--no-rematch", dest="rematch", action="store_false",
                    help="do not retime the points where the winner is not the earlier table's choice")
+    _add_threads_option(t)
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser(
@@ -162,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device type to plan for (cpu, cuda, ...); no device is needed")
     e.add_argument("--dtype", type=_dtype, default=torch.float32, help=f"one of {', '.join(_DTYPES)}")
     e.add_argument("--profile", type=_path, help="profile file to read (default $BLOCKDIAG_PROFILE or the user cache directory)")
+    _add_threads_option(e)
     e.set_defaults(func=cmd_explain)
 
     b = sub.add_parser(
@@ -209,9 +212,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compiler", type=_compiler, default=None, metavar="BACKEND",
                    help="torch.compile's backend for --compiled (default inductor; aot_eager traces the "
                         "same graphs without code generation, to find failures fast)")
+    _add_threads_option(b)
     # None: both, or train with --compiled (cmd_bench resolves it).
     b.set_defaults(func=cmd_bench, mode=None)
     return p
+
+
+def _add_threads_option(sp: argparse.ArgumentParser) -> None:
+    # An option, not only OMP_NUM_THREADS: the profile's entries and the plans are per thread
+    # count, and explaining the plan of a run with 4 threads from a shell with the default
+    # count showed another entry's plan.
+    sp.add_argument("--threads", type=_positive, default=None,
+                    help="CPU threads torch runs with, as torch.set_num_threads (default: torch's, "
+                         f"{torch.get_num_threads()} here, set by OMP_NUM_THREADS); the profile's "
+                         "CPU entries are per thread count")
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """Run the command with ``n`` torch threads (``None``: as they are), restored afterwards,
+    since :func:`main` may be called inside a process that goes on."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -354,7 +383,8 @@ def _main(argv: Sequence[str] | None) -> int:
         # whose --help lists the options the user meant.
         _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        with _quiet_torch_betas(), _one_line_warnings(args.command), _terminate_cleanly(), _printable_stdout():
+        with _quiet_torch_betas(), _one_line_warnings(args.command), _terminate_cleanly(), _printable_stdout(), \
+                _threads(args.threads):
             return args.func(args)
     except BlockDiagError as e:
         message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())

@@ -165,7 +165,11 @@ def cmd_explain(args) -> int:
         plan = choose(p)
     print(plan)
     if p.device == "cpu":  # which of simd's kernel variants runs here (avx512, avx2, neon), or why none
+        import torch
+
         from ..backends import simd
 
         print(simd.variant_note())
+        print(f"planned for {torch.get_num_threads()} CPU threads (--threads; the profile's CPU entries are "
+              "per thread count)")
     return 0
