@@ -1340,6 +1340,79 @@ def test_conversions_refuse_a_forward_replaced_on_the_instance():
         GroupedMLP.from_heads(heads)
 
 
+def test_conversions_refuse_a_call_of_their_own():
+    # Converted silently: module(x) runs type(module).__call__, then _call_impl; a class
+    # overriding either (or a _call_impl set on the instance) decides what the loop computes,
+    # and the grouped module computed the plain product.
+    class Clamped(nn.Linear):
+        def __call__(self, x):
+            return super().__call__(x).clamp(-0.1, 0.1)
+
+    class Scaled(nn.Linear):
+        def _call_impl(self, *args, **kwargs):
+            return 3 * super()._call_impl(*args, **kwargs)
+
+    for cls in (Clamped, Scaled):
+        lins = [cls(4, 3) for _ in range(2)]
+        with pytest.raises(BlockDiagError, match=rf"linears\[0\] is a {cls.__name__}, which overrides"):
+            GroupedLinear.from_linears(lins)
+        with pytest.raises(BlockDiagError, match=rf"heads\[0\]\[0\] is a {cls.__name__}, which overrides"):
+            GroupedMLP.from_heads([nn.Sequential(lin, nn.ReLU(), nn.Linear(3, 1)) for lin in lins])
+    lins = [nn.Linear(4, 3) for _ in range(2)]
+    lins[1]._call_impl = lambda x: 2 * nn.Linear._call_impl(lins[1], x)
+    with pytest.raises(BlockDiagError, match=r"linears\[1\] has its _call_impl replaced on the instance"):
+        GroupedLinear.from_linears(lins)
+
+    class Doubled(nn.Sequential):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    heads = [Doubled(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)) for _ in range(2)]
+    with pytest.raises(BlockDiagError, match=r"heads\[0\] is a Doubled, which overrides __call__"):
+        GroupedMLP.from_heads(heads)
+    # A plain subclass, a masked Linear (its class made by parametrize) and a head compiled
+    # in place (Module.compile) run nn.Module's call: they still convert.
+    plain = [type("Plain", (nn.Linear,), {})(4, 3) for _ in range(2)]
+    GroupedLinear.from_linears(plain)
+    GroupedLinear.from_linears([blockdiag.mask_block_diagonal_(nn.Linear(4, 4), 2) for _ in range(2)])
+    heads = [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)) for _ in range(2)]
+    heads[0].compile()
+    x = torch.randn(5, 4)
+    model = GroupedMLP.from_heads(heads)
+    assert torch.allclose(model(x), torch.cat([nn.Sequential.forward(h, x) for h in heads], -1), atol=1e-6)
+
+
+def test_conversions_refuse_a_weight_computed_from_other_tensors():
+    # Converted silently: a head whose weight is computed from a trained tensor (a hypernetwork's
+    # output, a view or a multiple of one shared matrix) trains that tensor, which ties the heads
+    # through it; the converted module made each a leaf copy, and after a step the two differed.
+    shared = nn.Parameter(torch.randn(3, 4))
+    lins = [nn.Linear(4, 3) for _ in range(2)]
+    for k, lin in enumerate(lins):
+        del lin.weight
+        lin.weight = shared * (k + 1)
+    with pytest.raises(BlockDiagError, match=r"linears\[0\] has weight \(grad_fn=MulBackward0\) computed"):
+        GroupedLinear.from_linears(lins)
+    with pytest.raises(BlockDiagError, match=r"heads\[0\]\[0\] has weight \(grad_fn=MulBackward0\) computed"):
+        GroupedMLP.from_heads([nn.Sequential(lin, nn.ReLU(), nn.Linear(3, 1)) for lin in lins])
+    stacked = nn.Parameter(torch.randn(6))
+    for k, lin in enumerate(lins):
+        lin.weight = nn.Parameter(torch.randn(3, 4))
+        del lin.bias
+        lin.bias = stacked[3 * k:3 * k + 3]
+    with pytest.raises(BlockDiagError, match=r"linears\[0\] has bias \(grad_fn=\w+\) computed"):
+        GroupedLinear.from_linears(lins)
+    # Computed under no_grad the value trains nothing: a frozen copy, as before. Parametrized
+    # weights (computed as well) convert as the weight they compute now.
+    with torch.no_grad():
+        for lin in lins:
+            lin.bias = stacked[:3] * 2
+    layer = GroupedLinear.from_linears(lins)
+    assert not layer.bias.requires_grad and torch.equal(layer.bias[:3], stacked[:3].detach() * 2)
+    normed = [nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)) for _ in range(2)]
+    assert torch.equal(GroupedLinear.from_linears(normed).weight[1], normed[1].weight.detach())
+
+
 @pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_conversions_refuse_gradient_hooks_on_parameters(hook):
     # Converted silently: the grouped module's new parameters ran no hook, so a head whose

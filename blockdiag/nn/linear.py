@@ -42,8 +42,9 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
 
     Raises:
         BlockDiagError: not an ``nn.Linear``, an uninitialized ``LazyLinear``, a subclass
-            with its own ``forward`` (or one set on the instance), other parameters, buffers or
-            modules, or hooks (on the module or on its parameters).
+            with its own ``forward`` (or one set on the instance) or ``__call__``, other
+            parameters, buffers or modules, hooks (on the module or on its parameters), or
+            a ``weight`` or ``bias`` computed from other tensors (not a Parameter).
     """
     check(fn, isinstance(lin, nn.Linear), f"{where} is a {type(lin).__name__}, not nn.Linear")
     check(
@@ -65,6 +66,13 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
         f"{where} has its forward replaced on the instance: converting copies only weight and bias, "
         "so it would compute nn.Linear's product instead",
     )
+    call = replaced_call(lin)
+    check(
+        fn,
+        call is None,
+        f"{where} {call}: converting copies only weight and bias, so it would compute nn.Linear's "
+        "product instead",
+    )
     extra = [n for n, _ in (*lin.named_parameters(), *lin.named_buffers())
              if n not in ("weight", "bias") and not n.startswith("parametrizations.")]
     check(
@@ -75,6 +83,20 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
     )
     hooked = lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks
     check(fn, not hooked, f"{where} has forward or backward hooks, which the converted module would not run")
+    # A weight set as a computed tensor (del lin.weight; lin.weight = hyper(z), or W * scale)
+    # trains what it is computed from, which may tie it to other heads through a tensor no
+    # memory check sees; the converted module's parameter would be a leaf copy of its value.
+    # A parametrized one is computed as well, and converts as documented.
+    computed = [f"{n} (grad_fn={type(t.grad_fn).__name__})" for n in ("weight", "bias")
+                if not parametrize.is_parametrized(lin, n)
+                and (t := getattr(lin, n, None)) is not None and t.grad_fn is not None]
+    check(
+        fn,
+        not computed,
+        f"{where} has {', '.join(computed)} computed from other tensors, not a Parameter: the loop's "
+        "gradients reach what it is computed from, while the converted module would train a copy of its "
+        "value; give it its own nn.Parameter (or convert the module that computes it)",
+    )
     # Hooks on a parameter (Tensor.register_hook, register_post_accumulate_grad_hook) change
     # or act on its gradient; the converted module's parameters are new tensors without them.
     grad_hooked = [n for n, p in lin.named_parameters()
@@ -86,6 +108,23 @@ def check_plain_linear(fn: str, lin: object, where: str) -> None:
         "register_post_accumulate_grad_hook), which the converted module's parameters would not run; "
         "remove them, convert, and register them on the new parameters",
     )
+
+
+def replaced_call(m: nn.Module) -> str | None:
+    """How calling ``m`` runs something other than ``nn.Module``'s call of its ``forward`` (None if not).
+
+    ``module(x)`` runs ``type(module).__call__``, which in ``nn.Module`` runs
+    ``self._call_impl`` (the hooks, then ``forward``): a class that overrides either, or a
+    ``_call_impl`` set on the instance, decides what a call computes whatever ``forward`` is.
+    """
+    cls = type(m)
+    if cls.__call__ is not nn.Module.__call__:
+        return f"is a {cls.__name__}, which overrides __call__"
+    if cls._call_impl is not nn.Module._call_impl:
+        return f"is a {cls.__name__}, which overrides _call_impl"
+    if "_call_impl" in vars(m):
+        return "has its _call_impl replaced on the instance"
+    return None
 
 
 def computing_once(convert):
@@ -944,7 +983,9 @@ class GroupedLinear(nn.Module):
             backend: for the new layer.
 
         Returns:
-            a ``GroupedLinear`` on the linears' device and dtype.
+            a ``GroupedLinear`` on the linears' device and dtype, with new parameters (no
+                gradient, optimizer state or attribute of the linears' comes along): build
+                the optimizer after converting.
 
         Raises:
             BlockDiagError: empty input, non-Linear items, or differing shapes, bias,

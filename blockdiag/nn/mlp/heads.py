@@ -14,7 +14,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 from ..._checks import check, check_same_device_dtype
 from ...ops._sharding import refuse_sharded
 from ..linear import (_copy_state, _read_current, _refuse_shared_parameters, _requires_grad, check_plain_linear,
-                      computing_once)
+                      computing_once, replaced_call)
 from .activations import _check_activation, _hooked
 
 
@@ -60,6 +60,10 @@ def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, bac
             f"heads[{h}] has its forward replaced on the instance: converting copies only its modules, "
             "so the grouped model would compute nn.Sequential's forward instead",
         )
+        call = replaced_call(head)
+        check(fn, call is None,
+              f"heads[{h}] {call}: converting copies only its modules, so the grouped model would "
+              "compute nn.Sequential's forward instead")
         check(
             fn,
             len(mods) == len(ref),

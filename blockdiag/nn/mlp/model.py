@@ -653,7 +653,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
 
         Returns:
             a ``GroupedMLP`` on the heads' device and dtype, activations deep-copied from
-                ``heads[0]``.
+                ``heads[0]``. Its parameters are new tensors (no gradient, optimizer state
+                or attribute of the heads' comes along): build the optimizer after
+                converting, since one over the heads' parameters no longer trains anything.
 
         Raises:
             BlockDiagError: empty input, heads that differ in structure or shape (the
@@ -672,7 +674,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
         Returns:
             an ``nn.ModuleList`` of ``heads`` ``nn.Sequential(Linear, act, ..., Linear[, act])``
                 (activations deep-copied) on this model's device and dtype, their modules
-                named as :meth:`from_heads`' heads named theirs. Hooks on the
+                named as :meth:`from_heads`' heads named theirs, with new parameters (an
+                optimizer over the model's does not train them). Hooks on the
                 model or its layers are not carried over: each sees all heads at once, which
                 no single head does; register them again where they belong.
 
