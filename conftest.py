@@ -16,8 +16,11 @@ def _seed():
 def _isolated_profile(tmp_path, monkeypatch):
     # No test or doctest may read or write the user's real tuning profile or settings.
     monkeypatch.setenv("BLOCKDIAG_PROFILE", str(tmp_path / "profile.json"))
-    for var in ("BLOCKDIAG_SPARSITY_THRESHOLD", "BLOCKDIAG_DENSE_MAX_GROUPS", "BLOCKDIAG_DENSE_MAX_ELEMENTS"):
-        monkeypatch.delenv(var, raising=False)
+    # Every setting's variable, from the settings' own table, so that a new one is covered too
+    # (a BLOCKDIAG_DOUBLE_BACKWARD=1 in the developer's shell failed the chooser's tests).
+    for var, _ in blockdiag.settings._ENV.values():
+        if var != "BLOCKDIAG_PROFILE":
+            monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(autouse=True)

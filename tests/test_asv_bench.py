@@ -5,6 +5,8 @@ The benchmarks themselves run in CI through .ci/asv_check.sh (every one, once, o
 """
 
 import importlib.util
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -169,3 +171,90 @@ def test_the_history_page_keeps_the_results_of_a_run_in_the_current_environment(
     assert commands
     for line in commands:
         assert "--set-commit-hash" in line or "--dry-run" in line, line
+
+
+_SUITE_PLAN = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import os
+from benchmarks import ratios  # imports blockdiag, then the suite's common module
+plan = ratios.blockdiag.GroupedLinear(50 * 150, 50 * 10, 50).plan(torch.randn(256, 50 * 150))
+print(plan.backend, plan.source, sep="|")
+names = ("SPARSITY_THRESHOLD", "DENSE_MAX_GROUPS", "DENSE_MAX_ELEMENTS", "DOUBLE_BACKWARD")
+print(*(f"{v}={os.environ.get('BLOCKDIAG_' + v)}" for v in names), sep="|")
+"""
+
+
+def test_the_suite_measures_the_built_in_table_not_the_users_tuning(tmp_path):
+    # asv hands the benchmarks the caller's environment, and `auto` ranks by the tuning
+    # profile it finds there ($BLOCKDIAG_PROFILE, or the one `blockdiag tune` saved in the
+    # user's cache): the suite's auto then measured the user's tuning, so a history stepped
+    # where the user tuned and never showed a change to the commit's built-in table.
+    import copy
+
+    import torch
+
+    from blockdiag import profile
+
+    entry = copy.deepcopy(profile.builtin_entry("cpu", torch.float32))
+    entry.update(device_name=profile.device_name("cpu"), threads=torch.get_num_threads(), torch=torch.__version__)
+    for m in entry["measurements"]:  # a tuned table in which `loop` wins everywhere
+        m["times_us"]["loop"] = 0.001
+    tuned = tmp_path / "profile.json"
+    profile.save_entry(entry, tuned)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(ROOT), BLOCKDIAG_PROFILE=str(tuned), BLOCKDIAG_SPARSITY_THRESHOLD="0",
+               BLOCKDIAG_DENSE_MAX_GROUPS="1000", BLOCKDIAG_DOUBLE_BACKWARD="1",
+               OMP_NUM_THREADS=str(torch.get_num_threads()))
+    out = subprocess.run([sys.executable, "-c", _SUITE_PLAN, str(ASV)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plan, pinned = out.stdout.splitlines()[-2:]
+    backend, source = plan.split("|")
+    assert source == "built-in defaults" and backend != "loop", plan
+    assert all(kv.endswith("=None") for kv in pinned.split("|")), pinned
+
+
+_SUITE_PARAMS = """
+import inspect, json, pkgutil, importlib, sys
+sys.path.insert(0, sys.argv[1])
+import benchmarks
+out = {}
+for m in pkgutil.iter_modules(benchmarks.__path__):
+    mod = importlib.import_module(f"benchmarks.{m.name}")
+    for name, cls in vars(mod).items():
+        if name.startswith("_") or not inspect.isclass(cls) or cls.__module__ != mod.__name__:
+            continue
+        methods = [k for k in dir(cls) if k.startswith(("time_", "track_", "peakmem_", "mem_"))]
+        if not methods:
+            continue
+        params = getattr(cls, "params", [])
+        if params and not all(isinstance(p, (list, tuple)) for p in params):
+            params = [params]  # asv's one-parameter form
+        out[f"{m.name}.{name}"] = {"names": list(getattr(cls, "param_names", [])),
+                                   "params": [[repr(v) for v in p] for p in params]}
+print(json.dumps(out))
+"""
+
+
+def _suite_params(grid: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(ROOT), BLOCKDIAG_ASV_GRID=grid)
+    out = subprocess.run([sys.executable, "-c", _SUITE_PARAMS, str(ASV)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_every_benchmark_names_each_parameter_once_with_distinct_values():
+    # asv keys a result by its parameter values' reprs and addresses combinations by index
+    # across commits: a parameter without a name, an empty list or a repeated value breaks
+    # that silently; and the tiny CI grid must have the real grid's parameters.
+    full, tiny = _suite_params(""), _suite_params("tiny")
+    assert full.keys() == tiny.keys() and len(full) >= 15
+    for name, b in full.items():
+        assert len(b["names"]) == len(b["params"]), (name, b["names"])
+        assert len(set(b["names"])) == len(b["names"]), name
+        for pname, values in zip(b["names"], b["params"]):
+            assert values and len(set(values)) == len(values), (name, pname, values)
+        assert tiny[name]["names"] == b["names"], name

@@ -2,7 +2,10 @@
 
 import os
 import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +194,22 @@ def test_a_thread_count_change_is_seen_by_the_next_epoch():
         assert st.epoch() != before  # at once, not after profile.RECHECK_S
     finally:
         torch.set_num_threads(n)
+
+
+def test_no_setting_reaches_a_test_from_the_callers_environment():
+    # What the subprocess below runs: every test starts with the settings' defaults.
+    for var, _ in st._ENV.values():
+        if var != "BLOCKDIAG_PROFILE":
+            assert var not in os.environ, var
+
+
+def test_the_developers_settings_do_not_reach_the_tests():
+    # conftest clears each setting's variable around every test: a developer's shell with
+    # BLOCKDIAG_DOUBLE_BACKWARD=1 (or another setting) failed the chooser's tests.
+    env = dict(os.environ, BLOCKDIAG_DOUBLE_BACKWARD="1", BLOCKDIAG_SPARSITY_THRESHOLD="0",
+               BLOCKDIAG_DENSE_MAX_GROUPS="1000", BLOCKDIAG_DENSE_MAX_ELEMENTS="7")
+    node = f"{Path(__file__).resolve()}::test_no_setting_reaches_a_test_from_the_callers_environment"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+                         capture_output=True, text=True, env=env, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

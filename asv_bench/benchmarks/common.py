@@ -11,6 +11,10 @@ n/a), so one suite benchmarks every commit.
 ``BLOCKDIAG_ASV_GRID=tiny`` shrinks every shape grid to one small point (CI smoke runs only:
 never mix its results with the real ones).
 
+``auto`` is measured as each commit ships it: importing this module points
+``$BLOCKDIAG_PROFILE`` at a profile that never exists and drops the chooser's other
+``BLOCKDIAG_*`` settings (:data:`PINNED_ENV`), so no tuning on the machine reaches the suite.
+
 Two kinds of benchmark live here (see docs/performance-history.md):
 
 * ``track_*`` **ratios** (unit ``"ratio"``, lower is better, like a time): several methods
@@ -37,6 +41,20 @@ import torch
 
 import blockdiag
 from blockdiag import BlockDiagError
+
+# Each commit is measured as it ships: ``auto`` ranks by the commit's built-in table with the
+# default crossovers, never by a tuning profile that ``blockdiag tune`` left on this machine
+# (the user's cache, or $BLOCKDIAG_PROFILE) nor by the chooser's BLOCKDIAG_* settings. asv
+# passes the caller's environment on, so without this a history would step where the user
+# tuned, and a change to the built-in table would never show. The profile's path names a
+# folder that never exists (a missing profile means the built-in table, on every commit);
+# environment variables because every commit reads them at each choice, not at import.
+NO_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no-tuning-profile", "profile.json")
+PINNED_ENV = ("BLOCKDIAG_SPARSITY_THRESHOLD", "BLOCKDIAG_DENSE_MAX_GROUPS", "BLOCKDIAG_DENSE_MAX_ELEMENTS",
+              "BLOCKDIAG_DOUBLE_BACKWARD")
+os.environ["BLOCKDIAG_PROFILE"] = NO_PROFILE
+for _var in PINNED_ENV:
+    os.environ.pop(_var, None)
 
 # torch announces its beta sparse layouts once per process; it would flood every log.
 warnings.filterwarnings("ignore", "Sparse (CSR|BSR|CSC|BSC) tensor support is in beta state", UserWarning)
