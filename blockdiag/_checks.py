@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -18,6 +19,28 @@ def check(fn_name: str, cond: bool, msg: str) -> None:
 def is_int(value: object, minimum: int | None = None) -> bool:
     """Whether ``value`` is an int (a bool is not a size or a count), at least ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def as_size(value: object) -> object:
+    """``value`` as a plain ``int`` where it is an integer of another type, else ``value`` itself.
+
+    Sizes and counts take what ``operator.index`` takes, as ``nn.Linear``'s do: a NumPy
+    integer from a config or a computation (``np.int64(600)``), an ``IntEnum``. They are
+    stored as plain ints, so that a module's attributes, repr and compiled guards are those
+    of an int. A bool (not a size) and a tensor (a traced or symbolic value) come back as
+    they are, for the caller's check to refuse, as does anything ``operator.index`` refuses
+    (``4.0``: rounding a size is not ours to guess).
+
+    >>> import numpy as np
+    >>> as_size(np.int64(4)), as_size(True), as_size(4.0)
+    (4, True, 4.0)
+    """
+    if type(value) is int or isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # numpy's bool has __index__, which refuses
+        return value
 
 
 def check_groups(fn_name: str, groups: object, in_features: int, out_features: int) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._checks import as_blocks, check, is_int
+from ._checks import as_blocks, as_size, check, is_int
 from ._errors import BlockDiagError
 from .layout import BlockLayout, _csr_indices
 
@@ -101,6 +101,9 @@ def block_diag_mask(
     Raises:
         BlockDiagError: if ``groups`` or the block shape are not positive ints.
     """
+    groups = as_size(groups)
+    if isinstance(block_shape, (tuple, list, torch.Size)):
+        block_shape = tuple(as_size(k) for k in block_shape)
     check(
         "block_diag_mask",
         is_int(groups, 1),
@@ -212,6 +215,8 @@ def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> 
     w = as_blocks("block_diag_bsr", blocks)
     _, r, c = w.shape
     bs = (r, c) if blocksize is None else blocksize
+    if isinstance(bs, (tuple, list, torch.Size)):
+        bs = tuple(as_size(k) for k in bs)
     check(
         "block_diag_bsr",
         _two_positive_ints(bs),
@@ -346,6 +351,7 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
             entry outside the diagonal blocks is non-zero (the message names the first one).
     """
     fn = "to_blocks"
+    groups = as_size(groups)
     if not isinstance(matrix, torch.Tensor):
         # A scipy matrix means scipy.sparse is imported already: without it, none can exist
         # here, and SciPy (an optional dependency) is not imported to say so.

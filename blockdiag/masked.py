@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._checks import check, check_groups
+from ._checks import as_size, check, check_groups
 from ._errors import BlockDiagError
 from .ops._sharding import is_dtensor
 
@@ -59,6 +59,9 @@ class BlockDiagonalMask(nn.Module):
     def __init__(self, groups: int, block_shape: tuple[int, int]):
         super().__init__()
         fn = "BlockDiagonalMask"
+        groups = as_size(groups)
+        if isinstance(block_shape, (tuple, list, torch.Size)):
+            block_shape = tuple(as_size(n) for n in block_shape)
         check(fn, isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
               f"groups must be an int >= 1, got {groups!r}")
         shape = tuple(block_shape) if isinstance(block_shape, (tuple, list, torch.Size)) else None
@@ -392,6 +395,7 @@ def mask_block_diagonal_(linear: nn.Linear, groups: int) -> nn.Linear:
             or the module is already masked.
     """
     fn = "mask_block_diagonal_"
+    groups = as_size(groups)
     w = getattr(linear, "weight", None)
     check(fn, isinstance(w, torch.Tensor), f"linear has no weight tensor (got {type(linear).__name__})")
     check(fn, not isinstance(w, nn.parameter.UninitializedParameter),

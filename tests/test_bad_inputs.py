@@ -193,3 +193,39 @@ def test_an_input_dtype_no_backend_runs_is_refused_on_meta_and_compiled(backend,
     compiled = torch.compile(lambda x, w: grouped_linear(x, w, backend=backend), backend="eager")
     with pytest.raises(BlockDiagError, match=pattern):
         compiled(torch.ones(N, G * I, dtype=dtype), torch.ones(G, O, I, dtype=dtype))
+
+
+# Sizes and counts take what operator.index takes, as nn.Linear's do; stored as plain ints.
+SIZE_TAKERS = [
+    ("GroupedLinear", lambda n: GroupedLinear(6 * n, 4 * n, groups=n),
+     lambda m: (m.in_features, m.out_features, m.groups, m.block_in)),
+    ("GroupedMLP", lambda n: GroupedMLP(3 * n, [n, n], n, heads=n),
+     lambda m: (m.in_features, *m.hidden_features, m.out_features, m.heads)),
+    ("block_diag_mask", lambda n: blockdiag.block_diag_mask(n, (n, n)), lambda t: tuple(t.shape)),
+    ("to_blocks", lambda n: blockdiag.to_blocks(torch.eye(4), n), lambda t: tuple(t.shape)),
+    ("mask_block_diagonal_", lambda n: blockdiag.mask_block_diagonal_(torch.nn.Linear(4, 4), n),
+     lambda m: (m.parametrizations.weight[0].groups, *m.parametrizations.weight[0].block_shape)),
+    ("block_diag_bsr", lambda n: blockdiag.block_diag_bsr(torch.ones(2, 2, 2), blocksize=(n, n)),
+     lambda t: tuple(t.values().shape)),
+    ("Problem", lambda n: blockdiag.Problem(n, n, n, n), lambda p: (p.batch, p.groups, p.block_in, p.block_out)),
+]
+
+
+@pytest.mark.parametrize("make,read", [t[1:] for t in SIZE_TAKERS], ids=[t[0] for t in SIZE_TAKERS])
+def test_numpy_integers_are_sizes_stored_as_ints(make, read):
+    np = pytest.importorskip("numpy")
+    with warnings.catch_warnings():  # "Sparse BSR tensor support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        plain = read(make(2))
+        for kind in (np.int64, np.int32, np.uint8):
+            got = read(make(kind(2)))
+            assert got == plain and all(type(v) is int for v in got), (kind, got)
+
+
+@pytest.mark.parametrize("make", [t[1] for t in SIZE_TAKERS], ids=[t[0] for t in SIZE_TAKERS])
+@pytest.mark.parametrize("bad", ["bool", "numpy_bool", "float", "tensor"])
+def test_what_is_not_an_integer_is_still_no_size(make, bad):
+    np = pytest.importorskip("numpy")
+    value = {"bool": True, "numpy_bool": np.True_, "float": 2.0, "tensor": torch.tensor(2)}[bad]
+    with pytest.raises(BlockDiagError, match=r"must be|two positive ints|int >= "):
+        make(value)

@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from .. import settings as _settings
-from .._checks import is_int
+from .._checks import as_size, is_int
 from .._errors import BlockDiagError
 
 __all__ = ["Problem", "Backend", "BackendInfo", "register", "replace", "unregister", "get", "names", "registry"]
@@ -39,8 +39,12 @@ class Problem:
         # zero there) or with a message that reads like a support gap.
         for name, lo in (("batch", 0), ("groups", 1), ("block_in", 0), ("block_out", 0)):
             v = getattr(self, name)
-            if not is_int(v, lo):
-                raise BlockDiagError(f"Problem: {name} must be an int >= {lo}, got {v!r}")
+            if not is_int(v, lo) or type(v) is not int:
+                # A NumPy integer or an IntEnum is stored as the int it is (the cache key).
+                v = as_size(v)
+                if not is_int(v, lo):
+                    raise BlockDiagError(f"Problem: {name} must be an int >= {lo}, got {getattr(self, name)!r}")
+                object.__setattr__(self, name, int(v))
         if isinstance(self.device, str) and ":" in self.device:
             # "cuda:1" (a tensor's str(device)) names a device; the problem is its type's.
             try:

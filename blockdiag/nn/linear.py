@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 
-from .._checks import check, check_groups, check_operand_kinds, check_same_device_dtype
+from .._checks import as_size, check, check_groups, check_operand_kinds, check_same_device_dtype
 from .._errors import BlockDiagError
 from ..backends import Problem, get
 from ..backends._registry import check_dtype, check_result
@@ -832,6 +832,7 @@ class GroupedLinear(nn.Module):
         dtype=None,
     ):
         super().__init__()
+        in_features, out_features, groups = as_size(in_features), as_size(out_features), as_size(groups)
         check_groups(type(self).__name__, groups, in_features, out_features)
         check_dtype(type(self).__name__, dtype)
         self.in_features = in_features

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.autograd import forward_ad as _fwad
 
-from ..._checks import check, check_operand_kinds
+from ..._checks import as_size, check, check_operand_kinds, is_int
 from ..._errors import BlockDiagError
 from ...backends import get
 from ...backends._registry import check_dtype
@@ -189,14 +189,19 @@ class GroupedMLP(StrategyChoice, nn.Module):
         super().__init__()
         fn = type(self).__name__
         check_dtype(fn, dtype)
-        hidden = [hidden_features] if isinstance(hidden_features, int) else list(hidden_features)
+        in_features, out_features, heads = as_size(in_features), as_size(out_features), as_size(heads)
+        hidden_features = as_size(hidden_features)
+        try:
+            hidden = [hidden_features] if isinstance(hidden_features, int) else [as_size(s) for s in hidden_features]
+        except TypeError:  # not iterable: 4.0, None
+            hidden = [hidden_features]
         sizes = [in_features, *hidden, out_features]
         check(
             fn,
-            all(isinstance(s, int) and s >= 1 for s in sizes),
+            all(is_int(s, 1) for s in sizes),
             f"in_features, hidden_features and out_features must be positive ints, got {sizes}",
         )
-        check(fn, isinstance(heads, int) and heads >= 1, f"heads must be a positive int, got {heads!r}")
+        check(fn, is_int(heads, 1), f"heads must be a positive int, got {heads!r}")
         self.in_features, self.hidden_features, self.out_features = in_features, tuple(hidden), out_features
         self.heads = heads
         self.shared_input = shared_input
