@@ -19,7 +19,7 @@ import torch
 
 from ._checks import as_blocks, as_size, check, is_int
 from ._errors import BlockDiagError
-from .layout import BlockLayout, _csr_indices
+from .layout import BlockLayout, _coo_indices, _csr_indices
 
 __all__ = [
     "block_diag_dense",
@@ -47,10 +47,25 @@ def dense_from_blocks(w: torch.Tensor) -> torch.Tensor:
     g, r, c = w.shape
     if g == 1:
         return w[0]
+    if type(w) in _PLAIN and not (torch.is_grad_enabled() and w.requires_grad) and not (
+            torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()):
+        # Nothing differentiates through the matrix (the backends' kernels run below
+        # autograd): the blocks are written into its zeros, in the layout it is returned in.
+        # diag_embed's [r, c, G, G] result is a second matrix-sized tensor that the reshape
+        # copies, so that path holds two dense matrices at its peak.
+        out = w.new_zeros(g, r, g, c)
+        out.diagonal(dim1=0, dim2=2).copy_(w.permute(1, 2, 0))
+        return out.view(g * r, g * c)
     # diag_embed places W[g] at [:, :, g, g]; its backward reads the diagonal back, so the
     # gradient w.r.t. the blocks is compact and nothing outside the blocks receives one.
+    # Out of place, as torch.func transforms and traced graphs need it.
     out = torch.diag_embed(w.permute(1, 2, 0))  # [r, c, G, G]
     return out.permute(2, 0, 3, 1).reshape(g * r, g * c)
+
+
+# The tensor types dense_from_blocks writes the blocks into a new matrix for (a subclass may
+# carry anything, such as a DTensor's placements, that the in-place write would not keep).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def block_diag_dense(blocks: Blocks) -> torch.Tensor:
@@ -158,9 +173,11 @@ def _bsr_values(w: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
 
 def _sparse_bsr(w: torch.Tensor, blocksize: tuple[int, int], own_indices: bool = False) -> torch.Tensor:
     lay = _layout_of(w)
-    crow, col = lay.bsr_indices(blocksize, w.device)
-    if own_indices:  # see _sparse_csr
-        crow, col = crow.clone(), col.clone()
+    if own_indices:  # see _sparse_csr: built for the caller, not cached
+        p, q = blocksize
+        crow, col = _csr_indices.__wrapped__(lay.groups, lay.block_out // p, lay.block_in // q, w.device)
+    else:
+        crow, col = lay.bsr_indices(blocksize, w.device)
     return torch.sparse_bsr_tensor(  # device=: see _sparse_csr
         crow, col, _bsr_values(w, blocksize), lay.shape, device=w.device, check_invariants=False
     )
@@ -251,8 +268,11 @@ def block_diag_coo(blocks: Blocks) -> torch.Tensor:
     """
     w = as_blocks("block_diag_coo", blocks)
     lay = _layout_of(w)
+    # Built for the caller, not taken from the layout's cache (see _sparse_csr): two int64
+    # indices per stored entry, four times a float32 weight's bytes, would stay cached for the
+    # life of the process after the matrix is gone.
     return torch.sparse_coo_tensor(
-        lay.coo_indices(w.device).clone(),
+        _coo_indices.__wrapped__(lay.groups, lay.block_out, lay.block_in, w.device),
         w.reshape(-1),
         lay.shape,
         device=w.device,  # see _sparse_csr

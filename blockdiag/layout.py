@@ -106,7 +106,9 @@ def _csr_indices(
 
 @functools.lru_cache(maxsize=256)
 def _coo_indices(g: int, r: int, c: int, device: torch.device) -> torch.Tensor:
-    crow, col = _get(_csr_indices, g, r, c, device)
+    # The CSR column index is only a step here: cached too, it would keep another index per
+    # stored entry beside the COO one for the life of the process.
+    crow, col = _csr_indices.__wrapped__(g, r, c, device)
     row = torch.arange(g * r, device=device, dtype=torch.int64).repeat_interleave(c)
     return torch.stack([row, col])
 

@@ -83,6 +83,30 @@ def test_dense_gradcheck():
     assert torch.autograd.gradcheck(block_diag_dense, (b,))
 
 
+@pytest.mark.parametrize("blocks", [(6, 5, 7), (4, 1, 9), (3, 8, 1)], ids=["5x7", "1x9", "8x1"])
+def test_the_dense_matrix_is_built_without_a_second_matrix_sized_tensor(blocks):
+    # The dense backend's kernels build [G*out, G*in] from the blocks below autograd.
+    # diag_embed's [out, in, G, G] result, then the reshape's copy, held two such matrices
+    # at the peak: twice the memory of the matrix the GEMM reads, in forward and backward.
+    from blockdiag.construct import dense_from_blocks
+    from blockdiag.tuning import peak_memory
+
+    w = torch.randn(*blocks)
+    g, r, c = blocks
+    want = torch.block_diag(*w)
+    with torch.no_grad():
+        assert peak_memory(lambda: dense_from_blocks(w)) == want.nbytes
+        got = dense_from_blocks(w)
+    assert torch.equal(got, want) and got.is_contiguous()
+    # Recorded by autograd it stays differentiable, with a compact gradient.
+    wg = w.clone().requires_grad_()
+    gy = torch.randn(g * r, g * c)
+    (gw,) = torch.autograd.grad(dense_from_blocks(wg), wg, gy)
+    torch.testing.assert_close(gw, torch.stack([gy[k * r:(k + 1) * r, k * c:(k + 1) * c] for k in range(g)]))
+    x = torch.randn(3, g * c)
+    torch.testing.assert_close(blockdiag.grouped_linear(x, w, backend="dense"), x @ want.t())
+
+
 @pytest.mark.parametrize("layout", list(BUILDERS))
 @pytest.mark.parametrize("g", [1, 3])
 def test_which_builders_share_the_blocks_storage(layout, g):
@@ -464,6 +488,41 @@ def test_csr_index_cache_holds_int32_and_no_returned_matrix_indices():
     assert _csr_indices.cache_info().currsize == cached  # those were the entries the products made
     with pytest.raises(ValueError, match=r"int32 CSR indices cannot count 4294967296 stored entries"):
         blockdiag.layout.BlockLayout(2**16, 2**8, 2**8).csr_indices(torch.device("cpu"), torch.int32)
+
+
+@pytest.mark.parametrize("build", ["coo", "bsr", "bsr_1x1", "from_scipy_coo"])
+def test_sparse_builders_leave_no_indices_in_the_layout_cache(build):
+    # The matrix handed back owns its indices; block_diag_coo took them from the layout's
+    # cache and cloned them, leaving the cached COO indices and the int64 CSR ones they were
+    # built from (24 bytes per stored entry, six times a float32 weight) for the life of the
+    # process, as block_diag_bsr left its indices (one per stored entry with blocksize (1, 1)).
+    from blockdiag.layout import _coo_indices, _csr_indices
+
+    w = torch.randn(3, 4, 6)
+    want = blockdiag.block_diag_dense(w)
+    _csr_indices.cache_clear()
+    _coo_indices.cache_clear()
+    if build == "coo":
+        m = blockdiag.block_diag_coo(w)
+    elif build == "bsr":
+        m = blockdiag.block_diag_bsr(w)
+    elif build == "bsr_1x1":
+        m = blockdiag.block_diag_bsr(w, (1, 1))
+    else:
+        pytest.importorskip("scipy")
+        m = blockdiag.from_scipy(blockdiag.to_scipy(want), 3, layout="coo")
+    assert (_csr_indices.cache_info().currsize, _coo_indices.cache_info().currsize) == (0, 0)
+    torch.testing.assert_close(m.to_dense(), want)
+    if build == "coo":
+        assert m.is_coalesced() and m.indices().dtype == torch.int64
+        assert m.values().data_ptr() == w.data_ptr()
+    elif build != "from_scipy_coo":
+        assert m.crow_indices().dtype == m.col_indices().dtype == torch.int64
+        m.col_indices().zero_()  # the matrix's own: the next one is not changed
+        torch.testing.assert_close(blockdiag.block_diag_bsr(w, (1, 1) if build == "bsr_1x1" else None).to_dense(), want)
+    # The products still cache what they run with (their indices are shared by every call).
+    blockdiag.grouped_linear(torch.randn(2, 18), w, backend="bsr")
+    assert _csr_indices.cache_info().currsize == 1
 
 
 @pytest.mark.parametrize("layout", ["csr", "bsr", "coo", "csc"])
