@@ -331,6 +331,7 @@ def _zero_off_blocks(orig: torch.Tensor, mask: torch.Tensor) -> bool:
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     module._blockdiag_load_prefix = prefix  # for _load_post_hook, which is given none
+    module._blockdiag_load_errors = (errors, len(errors))  # nor the errors, which it renames
     key = prefix + "weight"
     if key not in state_dict or not _only_mask(module):
         return
@@ -338,6 +339,15 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
     mask_mod = module.parametrizations.weight[0]
     r, c = mask_mod.block_shape
     shape = mask_mod.weight_shape
+    if isinstance(w, torch.Tensor) and w.layout != torch.strided:
+        # A block-diagonal weight is naturally saved sparse, but the block check below has no
+        # sparse kernel (``!=`` failed inside torch, naming no key), and assigned, a sparse
+        # ``original`` would fail every forward.
+        errors.append(f'While copying the parameter named "{key}", expected a dense (strided) tensor from '
+                      f"checkpoint but received a {w.layout} tensor: convert the entry with .to_dense()")
+        state_dict.pop(key)
+        module._blockdiag_reported = True
+        return
     if isinstance(w, torch.Tensor) and tuple(w.shape) != shape:
         # Reported here under the key the checkpoint has (torch would name the internal one).
         errors.append(f"size mismatch for {key}: copying a param with shape {w.shape} from checkpoint, "
@@ -351,6 +361,8 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
         off = (w != 0) & ~mask_mod._mask_on(w.device)
         if bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])
+            for name in ("_blockdiag_load_prefix", "_blockdiag_load_errors"):  # no post-hook follows
+                module.__dict__.pop(name, None)
             raise BlockDiagError(
                 f"load_state_dict: {key} of shape {tuple(w.shape)} has a non-zero "
                 f"{w[i, j].item()!r} at ({i}, {j}), outside the {mask_mod.groups} diagonal "
@@ -361,12 +373,17 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing, 
 
 
 def _load_post_hook(module, incompatible):
-    """Name ``weight`` in the missing keys as ``state_dict()`` does, not the internal key."""
+    """Name ``weight`` in the missing keys and torch's copy errors as ``state_dict()`` does, not
+    the internal key (the checkpoint's entry for ``original`` is its ``weight``)."""
     prefix = module.__dict__.pop("_blockdiag_load_prefix", None)
     reported = module.__dict__.pop("_blockdiag_reported", False)
+    errors, start = module.__dict__.pop("_blockdiag_load_errors", (None, 0))
     if prefix is None or not _only_mask(module):
         return
     internal = prefix + _ORIG
+    if errors is not None:  # those torch added while loading ``original`` (a meta or non-tensor entry)
+        for i in range(start, len(errors)):
+            errors[i] = errors[i].replace(f'named "{internal}"', f'named "{prefix}weight"')
     if internal in incompatible.missing_keys:
         incompatible.missing_keys.remove(internal)
         if not reported:  # a size mismatch is already an error of its own

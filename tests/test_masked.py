@@ -574,6 +574,34 @@ def test_load_state_dict_names_weight_not_the_internal_key():
     assert r.missing_keys == ["1.weight"]
 
 
+# assign=True takes a meta entry as it takes any tensor (the meta-device flow): not an error.
+@pytest.mark.parametrize("entry, assign", [(e, a) for e in ("sparse_coo", "sparse_csr", "numpy")
+                                           for a in (False, True)] + [("meta", False)])
+def test_load_state_dict_of_a_sparse_non_tensor_or_meta_weight_names_the_key(entry, assign):
+    # A block-diagonal weight is naturally saved sparse; loading such an entry failed inside
+    # the mask's block check with torch's NotImplementedError ("aten::ne.Scalar ... SparseCPU"),
+    # naming no key, and torch's copy errors (a non-tensor or a meta entry) named
+    # parametrizations.weight.original, a key the checkpoint does not have.
+    src = _reference(0)
+    w = src.state_dict()["weight"]
+    value = {"sparse_coo": lambda: w.to_sparse(), "sparse_csr": lambda: w.to_sparse_csr(),
+             "numpy": lambda: w.numpy(), "meta": lambda: w.to("meta")}[entry]()
+    outer = nn.Sequential(nn.Identity(), _reference(1))
+    before = outer[1].weight.detach().clone()
+    with pytest.raises(RuntimeError) as e:
+        outer.load_state_dict({"1.weight": value, "1.bias": torch.zeros(G * R)}, assign=assign)
+    msg = str(e.value)
+    assert 'While copying the parameter named "1.weight"' in msg and "parametrizations" not in msg, msg
+    assert "Missing key(s)" not in msg, msg
+    if entry.startswith("sparse"):
+        assert f"torch.{entry} tensor" in msg and ".to_dense()" in msg, msg
+    torch.testing.assert_close(outer[1].weight, before)
+    assert outer[1].parametrizations.weight.original.layout == torch.strided
+    outer.load_state_dict({"1.weight": w.to_sparse().to_dense(), "1.bias": torch.zeros(G * R)}, assign=assign)
+    torch.testing.assert_close(outer[1].weight, src.weight)
+    assert "_blockdiag_load_errors" not in vars(outer[1])
+
+
 def test_state_dict_keep_vars_gives_a_leaf():
     import copy
 

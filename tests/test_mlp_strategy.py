@@ -4,6 +4,7 @@ fused feature-major chain only where nothing observes the layers and the table s
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -349,6 +350,64 @@ def test_a_strategy_runs_an_empty_batch_and_refuses_a_mismatched_input(strategy)
     with pytest.raises(BlockDiagError, match=r"^GroupedMLP: layers\[0\]\.weight is torch.float64 on cpu but the input "
                        r"is torch.float32 on cpu; .*pass it as torch.float64 on cpu"):
         model(torch.randn(3, 6))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_layers_of_different_dtypes_are_named_with_the_conversion(strategy):
+    # load_state_dict(assign=True) keeps a checkpoint's dtypes: a checkpoint whose last layer
+    # was saved in bfloat16 made a model no strategy runs. The layers failed in a GroupedLinear's
+    # name ("weight has dtype ... cast them to one dtype"), a forced chain or heads advised the
+    # layers, which fail alike.
+    model = _model(strategy, dtype=torch.float32)
+    sd = {k: (v.bfloat16() if k.startswith("layers.1.") else v) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    x = _x(model, 3).float()
+    want = (r"layers\[1\]\.weight is torch.bfloat16 on cpu but layers\[0\]\.weight is torch.float32 on cpu, "
+            r"and no strategy converts between layers .*convert the model \(model.to\(torch.float32\)\)")
+    forced = f"strategy='{strategy}' cannot run: " if strategy in ("fm_chain", "heads") else ""
+    with pytest.raises(BlockDiagError, match=r"^GroupedMLP: " + forced + want) as e:
+        model(x)
+    assert "use strategy=" not in str(e.value)
+    with pytest.raises(BlockDiagError, match=r"^GroupedMLP.plan: " + want):
+        model.plan(x)
+    # Autocast casts every layer's operands: such a model runs there, as before.
+    if strategy in ("auto", "layers"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x).dtype == torch.bfloat16 and model.plan(x).strategy == "layers"
+    model.to(torch.float32)
+    assert model(x).shape == (3, 6)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+@pytest.mark.parametrize("left", ["layers.2.weight", "layers.2.bias", "layers.1.weight"])
+def test_a_layer_left_on_meta_is_refused_not_run(strategy, left):
+    # The meta-device flow with a checkpoint that lacks a layer (load_state_dict(assign=True,
+    # strict=False)) leaves that layer on meta. torch's products take a meta operand beside CPU
+    # ones and return a CPU tensor of uninitialised memory (or a meta one): the chain and the
+    # heads ran silently, and so did auto where it had chosen the chain before.
+    trained = _model(dtype=torch.float32)
+    x = _x(trained, 5)
+    with torch.device("meta"):
+        model = _model(strategy, dtype=torch.float32)
+    if strategy == "auto":  # the decision for x cached while every layer was real
+        model.load_state_dict(trained.state_dict(), assign=True)
+        model(x)
+        model.layers[int(left.split(".")[1])]._parameters[left.split(".")[2]] = nn.Parameter(
+            torch.empty_like(trained.get_parameter(left), device="meta"))
+    else:
+        sd = {k: v for k, v in trained.state_dict().items() if k != left}
+        model.load_state_dict(sd, assign=True, strict=False)
+    assert model.get_parameter(left).is_meta
+    forced = f"strategy='{strategy}' cannot run: " if strategy in ("fm_chain", "heads") else ""
+    want = (rf"^GroupedMLP: {forced}{re.escape(left.replace('layers.', 'layers[').replace('.', '].', 1))} is "
+            r"torch.float32 on meta but layers\[0\]\.weight is torch.float32 on cpu, .*materialise it "
+            r"\(model.to_empty\(device='cpu'\), then load_state_dict or reset_parameters\)")
+    with pytest.raises(BlockDiagError, match=want):
+        model(x)
+    with torch.no_grad(), pytest.raises(BlockDiagError, match=want):
+        model(x)
+    model.load_state_dict(trained.state_dict(), assign=True)
+    torch.testing.assert_close(model(x), trained(x))
 
 
 def test_strategy_setting():

@@ -223,7 +223,38 @@ class StrategyChoice:
         if w is not None:
             # The layers (and so auto) refuse such an input too: another strategy would not help.
             return f"strategy={strategy!r} cannot run: {why}; {_foreign_fix(w)}"
+        mixed = None if _autocasting(x) else self._mixed_parameter(type(self).__name__)
+        if mixed is not None:  # nor would the layers run it
+            return f"strategy={strategy!r} cannot run: {mixed}"
         return f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'"
+
+    def _mixed_parameter(self, fn: str) -> Optional[str]:
+        """Why no strategy runs this model, where a layer's parameter has another dtype or device
+        than ``layers[0].weight`` (None where none has).
+
+        Nothing casts between the layers, so the second such layer gets its predecessor's
+        output in the first one's dtype: its own error named a ``GroupedLinear`` and asked to
+        cast "them" to one dtype, and a forced chain or heads advised the layers, which fail
+        alike. ``load_state_dict(assign=True)`` keeps a checkpoint's dtypes, so a mixed
+        checkpoint (or ``model.layers[k].half()``) makes such a model. Autocast casts every
+        layer's operands, so it runs there: the callers do not ask under autocast.
+        """
+        layers = tuple(self._modules["layers"]._modules.values())
+        ref = layers[0]._parameters.get("weight") if layers else None
+        if not isinstance(ref, torch.Tensor):
+            return None
+        for k, layer in enumerate(layers):
+            for name, p in layer._parameters.items():
+                if isinstance(p, torch.Tensor) and (p.dtype != ref.dtype or p.device != ref.device):
+                    self._refuse_erased(fn)  # freezing's erased parameters are on meta: named as such
+                    to = ref.dtype if p.dtype != ref.dtype else repr(str(ref.device))
+                    fix = (f"materialise it (model.to_empty(device={str(ref.device)!r}), then load_state_dict "
+                           "or reset_parameters)" if p.is_meta and not ref.is_meta
+                           else f"convert the model (model.to({to}))")
+                    return (f"layers[{k}].{name} is {p.dtype} on {p.device} but layers[0].weight is "
+                            f"{ref.dtype} on {ref.device}, and no strategy converts between layers "
+                            f"(load_state_dict(assign=True) keeps a checkpoint's dtypes and devices): {fix}")
+        return None
 
     def _refuse_erased(self, fn: str) -> None:
         """Raise if ``torch.compile``'s freezing discarded a layer's parameter (see ``check_not_erased``).
@@ -256,8 +287,12 @@ class StrategyChoice:
                     f"and {who} calls no layer")
         # Dtypes are compared for every parameter, the device for the first weight only: a
         # parameter elsewhere on another device fails on either path, and each comparison
-        # of devices costs a device object.
+        # of devices costs a device object. Except on meta: torch's products take a meta
+        # operand beside CPU ones and return a CPU tensor of uninitialised memory (or a meta
+        # one), so a layer left on meta (a meta-device model loaded with a checkpoint that
+        # lacks it) ran silently; ``is_meta`` is a flag, not a device object.
         dt = x.dtype
+        x_meta = x.is_meta
         for k, layer in enumerate(self._modules["layers"]._modules.values()):
             params = layer._parameters
             w = params.get("weight")
@@ -285,6 +320,9 @@ class StrategyChoice:
             b = params["bias"]
             if b is not None and (not _plain(b, traced) or b.dtype != dt):
                 return f"layers[{k}].bias is not a plain tensor parameter of the input's dtype"
+            if not x_meta and (w.is_meta or (b is not None and b.is_meta)):
+                return (f"layers[{k}].{'weight' if w.is_meta else 'bias'} is on meta (it holds no values) but "
+                        f"the input is on {x.device}")
         for k, act in enumerate(self._modules["activations"]._modules.values()):
             if _act_hooked(act):
                 return f"activations[{k}] has hooks, which would see {activation_sees}"
@@ -369,14 +407,14 @@ class StrategyChoice:
                 return "layers"
             p = layer._parameters
             w = p.get("weight")
-            if w is None or type(w) not in _PLAIN or w.dtype != dt or "bias" not in p:
-                return "layers"
+            if w is None or type(w) not in _PLAIN or w.dtype != dt or "bias" not in p or w.is_meta:
+                return "layers"  # meta (x is not here): see _params_refusal
             if dev is None:
                 dev = w.device
                 if dev != x.device:
                     return "layers"
             b = p["bias"]
-            if b is not None and (type(b) not in _PLAIN or b.dtype != dt):
+            if b is not None and (type(b) not in _PLAIN or b.dtype != dt or b.is_meta):
                 return "layers"
             if grad and not rg:
                 rg = w.requires_grad or (b is not None and b.requires_grad)
@@ -619,6 +657,12 @@ def _concrete(n) -> bool:
         if not (statically_known_true(n <= v) or statically_known_true(n > v)):
             return False
     return True
+
+
+def _autocasting(x: object) -> bool:
+    """Whether autocast is on for ``x``'s device type (the layers then cast their operands)."""
+    dev = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
 
 
 def _foreign_fix(w: torch.Tensor) -> str:
