@@ -47,3 +47,20 @@ def test_demo_small(capsys):
 def test_module_entry_point_rejects_bad_options():
     r = subprocess.run([sys.executable, "-m", "blockdiag", "demo", "--heads", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--heads" in r.stderr and "positive" in r.stderr
+
+
+def test_demo_median_of_an_even_number_of_epochs_is_the_middle_two(monkeypatch, capsys):
+    # With --epochs 2 the "median epoch" was the slower of the two (the upper middle of the
+    # sorted times): the first epoch, which pays the warm-up, alone.
+    from blockdiag.cli import demo
+
+    times = iter([4.0, 1.0, 2.0, 0.5])  # loop, grouped; loop, grouped
+
+    def fake_epoch(model, xs, ys, opt, batch):
+        return next(times), 0.25
+
+    monkeypatch.setattr(demo, "_train_epoch", fake_epoch)
+    assert main(["demo", "--heads", "2", "--in-features", "3", "--hidden", "2", "--samples", "8",
+                 "--batch", "4", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "median epoch: loop 3.000 s, GroupedMLP 0.750 s -> speed-up 4.0x" in out, out

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import blockdiag
 
 G, I, H, O = 3, 8, 4, 2  # groups, block_in, hidden, block_out
 BATCHES = (5, 37)  # the export's example batch, and one it never saw
+ROOT_DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -136,3 +138,57 @@ def test_onnx_export_of_mlp_runs_in_onnxruntime(strategy, dtype, dynamo, tmp_pat
         (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
         with torch.no_grad():
             torch.testing.assert_close(torch.from_numpy(got), model(x))
+
+
+JIT_LOAD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    if sys.argv[2] == "1":
+        import blockdiag
+    try:
+        run = torch.jit.load(sys.argv[1])
+    except RuntimeError as e:
+        print("load failed:", str(e).strip().splitlines()[0])
+        sys.exit(0)
+    x = torch.randn(5, int(sys.argv[3]))
+    print("ran", tuple(run(x).shape))
+    """
+)
+
+
+@pytest.mark.parametrize("imported", [False, True], ids=["without-import", "with-import"])
+def test_a_traced_torchscript_module_loads_only_after_import_blockdiag(imported, tmp_path):
+    # The FAQ ("Deploying an exported model..."): torch.jit.load itself fails without
+    # `import blockdiag` (it resolves the ops by name while loading), not the first call; the
+    # page had said that calling the loaded module fails.
+    model = _model("linear").eval()
+    path = tmp_path / "traced.pt"
+    torch.jit.trace(model, torch.randn(5, G * I)).save(str(path))
+    rc, out, err = run_or_fail_on_hang([sys.executable, "-c", JIT_LOAD, str(path), str(int(imported)), str(G * I)],
+                                       120, "loading a traced module")
+    assert rc == 0, err[-3000:]
+    if imported:
+        assert out.strip() == f"ran (5, {G * O})", out
+    else:
+        assert out.startswith("load failed:") and "Unknown builtin op: blockdiag::auto" in out, out
+        faq = " ".join((ROOT_DOCS / "faq.md").read_text().split())
+        assert ('without it, `torch.jit.load` itself fails with "Unknown builtin op: blockdiag::auto"'
+                in faq), "the FAQ must say that loading, not calling, fails"
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_tracing_formats_no_traced_size_per_call(kind):
+    # torch.jit.trace (and the TorchScript ONNX exporter, which traces) makes the sizes traced
+    # tensors: the operand checks built their messages on every call, so each size was
+    # printed, a TracerWarning per element ("Converting a tensor to a Python number/boolean",
+    # "Iterating over a tensor"): about 150 for one GroupedLinear. A check's message is built
+    # only when it fails; the comparisons themselves still warn once each, as torch's do.
+    import warnings
+
+    model = _model(kind).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.trace(model, torch.randn(5, _width(kind)))
+    printed = [w for w in caught if w.filename.endswith(("_tensor_str.py", "_tensor.py"))]
+    assert not printed, [f"{w.filename}:{w.lineno}: {w.message}" for w in printed[:3]]

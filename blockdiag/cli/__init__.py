@@ -152,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         "explain", help="print the plan auto follows for one shape, and why",
         description="Print the plan auto follows for one problem: the backend, the table entry it comes "
                     "from, the candidates and why the others were left out. Nothing is run or timed, so "
-                    "the device need not be present.",
+                    "the device need not be present (for the CPU, on a machine where simd's kernels "
+                    "were never built, they are compiled first, once, to say whether simd runs: a "
+                    "pause of up to a minute).",
         epilog="example:\n  blockdiag explain --batch 256 --groups 50 --block 150x10 --train",
         formatter_class=fmt.HelpFormatter,
     )

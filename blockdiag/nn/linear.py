@@ -337,18 +337,23 @@ def _check_operands(
     once autocast has cast them to it, as the ops' autocast kernels will where the program runs.
     """
     check_operand_kinds(fn, input=x, weight=weight, bias=bias)
-    check(fn, weight.dim() == 3, f"weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+    # The messages are built only on failure: under torch.jit.trace the sizes are traced
+    # tensors, and formatting them on every call printed them, a TracerWarning per element.
+    if weight.dim() != 3:
+        raise BlockDiagError(f"{fn}: weight must be [groups, block_out, block_in], "
+                             f"got shape {tuple(weight.shape)}")
     g, o, i = weight.shape
-    check(fn, g >= 1, f"weight must hold at least one group, got shape {tuple(weight.shape)} (groups=0)")
-    check(fn, x.dim() >= 1, f"input must have at least 1 dimension, got a scalar of shape {tuple(x.shape)}")
-    check(
-        fn,
-        x.shape[-1] == g * i,
-        f"input has shape {tuple(x.shape)}; its last dimension must be in_features={g * i} "
-        f"(groups={g} x block_in={i})",
-    )
-    if bias is not None:
-        check(fn, tuple(bias.shape) == (g * o,), f"bias must have shape ({g * o},), got {tuple(bias.shape)}")
+    if not g >= 1:
+        raise BlockDiagError(f"{fn}: weight must hold at least one group, "
+                             f"got shape {tuple(weight.shape)} (groups=0)")
+    if x.dim() < 1:
+        raise BlockDiagError(f"{fn}: input must have at least 1 dimension, "
+                             f"got a scalar of shape {tuple(x.shape)}")
+    if not x.shape[-1] == g * i:
+        raise BlockDiagError(f"{fn}: input has shape {tuple(x.shape)}; its last dimension must be "
+                             f"in_features={g * i} (groups={g} x block_in={i})")
+    if bias is not None and not tuple(bias.shape) == (g * o,):
+        raise BlockDiagError(f"{fn}: bias must have shape ({g * o},), got {tuple(bias.shape)}")
     if cast_to is None:
         check_same_device_dtype(fn, input=x, weight=weight, bias=bias)
         return g, o, i
