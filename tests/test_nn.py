@@ -1595,3 +1595,79 @@ def test_fx_symbolic_trace_records_the_products_and_runs_as_the_modules():
         traced = fx.symbolic_trace(GroupedLinear(6, 4, groups=2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert traced(torch.randn(3, 6)).dtype == torch.bfloat16
+
+
+# Optimizers that step each entry on its own train a GroupedLinear as they train the heads it
+# replaces (the FAQ's promise): fused, foreach and single-tensor implementations, decoupled and
+# L2 weight decay, maximize, a tensor learning rate, a scheduler, clipping and accumulation.
+_PER_ENTRY_OPTIMIZERS = {
+    "sgd-fused-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
+                                                       weight_decay=0.01, fused=True),
+    "adam-fused-wd-tensor-lr": lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01), weight_decay=0.1, fused=True),
+    "adamw-foreach-amsgrad-maximize": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, amsgrad=True,
+                                                                  maximize=True, foreach=True),
+    "rmsprop-centered-single-tensor": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True,
+                                                                    weight_decay=0.1, foreach=False),
+    "adagrad-fused": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.1, fused=True),
+}
+
+
+def _train_pair(layer, make_optimizer, steps=3, step_fn=None):
+    """Train ``layer`` and the heads it replaces alike; return both weights and biases."""
+    heads = layer.to_linears()
+    g, i = layer.groups, layer.block_in
+    loop = lambda x: torch.cat([h(x[:, k * i:(k + 1) * i]) for k, h in enumerate(heads)], -1)
+    torch.manual_seed(1)
+    xs = [torch.randn(6, g * i) for _ in range(steps)]
+    for params, forward, fn in ((layer.parameters(), layer, step_fn), (heads.parameters(), loop, None)):
+        params = list(params)
+        opt = make_optimizer(params)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+        def step(x, opt=opt, forward=forward, params=params):
+            for half in (x[:3], x[3:]):  # two micro-batches accumulated into one step
+                forward(half).square().sum().backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        run = step if fn is None else fn(step)
+        for x in xs:
+            run(x)
+            sched.step()
+    return (layer.weight, layer.bias), (torch.stack([h.weight for h in heads]), torch.cat([h.bias for h in heads]))
+
+
+@pytest.mark.parametrize("opt", list(_PER_ENTRY_OPTIMIZERS))
+@pytest.mark.parametrize("name", ["auto"] + FIXED)
+def test_per_entry_optimizers_train_the_layer_as_its_heads(name, opt):
+    require_backend(name)
+    if name != "auto" and not _runnable(name, dtype=torch.float32):
+        pytest.skip(f"{name} does not train float32 here")
+    torch.manual_seed(0)
+    got, want = _train_pair(GroupedLinear(12, 15, groups=3, backend=name), _PER_ENTRY_OPTIMIZERS[opt])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["compiled-step", "compiled-autograd"])
+def test_a_compiled_training_step_trains_the_layer_as_its_heads(mode):
+    # The compiled-optimizer recipe (forward, backward and step in one compiled function) and
+    # compiled autograd tracing the backward.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make = _PER_ENTRY_OPTIMIZERS["adamw-foreach-amsgrad-maximize"]
+
+    def compiled(step):
+        fn = torch.compile(step, backend="aot_eager")  # tiny: inductor's codegen adds only time
+        if mode == "compiled-step":
+            return fn
+
+        def run(x):
+            with torch._dynamo.config.patch(compiled_autograd=True):
+                fn(x)
+        return run
+
+    got, want = _train_pair(GroupedLinear(12, 15, groups=3, backend="bmm"), make, step_fn=compiled)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
