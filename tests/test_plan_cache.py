@@ -369,6 +369,34 @@ def test_a_layer_selection_whose_epoch_moved_while_planning_is_not_kept(monkeypa
     assert linear._SELECTED == {}
 
 
+def test_the_compiled_ops_choice_made_while_the_epoch_moved_is_not_kept(monkeypatch):
+    # blockdiag::auto (compiled graphs with a dynamic batch, exported programs, jit.trace)
+    # memoises its backend per (rows, weight, ..., epoch). A plan made while another thread
+    # changed a setting's environment variable is of the new value; kept under the old key,
+    # it came back once the variable was set back, where auto plans under the old value.
+    import torch
+
+    from blockdiag.ops import auto as auto_op
+
+    var = "BLOCKDIAG_DENSE_MAX_GROUPS"
+    monkeypatch.delenv(var, raising=False)
+    real, calls = dispatch.choose, []
+
+    def moving(p):
+        calls.append(os.environ.get(var))
+        if len(calls) == 1:
+            os.environ[var] = "0"  # another thread, while this one plans
+        return real(p)
+
+    monkeypatch.setattr(dispatch, "choose", moving)
+    monkeypatch.setattr(auto_op, "_CHOICE", {})
+    x, w = torch.randn(8, 6), torch.randn(2, 5, 3)
+    auto_op.choice(x, w, False)
+    os.environ.pop(var)  # set back: the first call's key again
+    auto_op.choice(x, w, False)
+    assert calls == [None, None], f"the second call planned with {calls[1:]!r} or not at all"
+
+
 def test_threads_whose_counts_differ_do_not_move_the_epoch_when_switching():
     # Under OpenMP torch.set_num_threads sets the calling thread's count only (and that of
     # threads whose first torch call comes later): a thread that called torch earlier keeps

@@ -101,9 +101,13 @@ def choice(x: torch.Tensor, weight: torch.Tensor, train: bool, plain: bool = Tru
         name = plan.backend
         if not plain:
             name = next((c.name for c in plan.candidates if c.ok and not _native(c.name)), name)
-        if len(_CHOICE) > 4096:
-            _CHOICE.clear()
-        _CHOICE[key] = name
+        # Kept only if the epoch did not move while planning (another thread's set_config or
+        # environment change): the plan may be of the new state, and an environment variable
+        # set back would bring the old key, and this stale answer, back (as nn.linear._select).
+        if ep == _settings.epoch():
+            if len(_CHOICE) > 4096:
+                _CHOICE.clear()
+            _CHOICE[key] = name
     return name
 
 
