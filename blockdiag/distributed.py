@@ -44,9 +44,12 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.nn.utils import parametrize
 
+from ._checks import as_size, is_int
 from ._errors import BlockDiagError
 from .nn import GroupedLinear, GroupedMLP
+from .nn.linear import _read_current, _trains
 from .ops import _sharding
 from .ops._sharding import UnevenGroupsError
 
@@ -416,8 +419,22 @@ def local_groups(groups: int, mesh: DeviceMesh) -> range:
         coordinate ``r`` on the mesh; a sharded output holds these heads, in order.
 
     Raises:
-        BlockDiagError: as :func:`parallelize_groups`.
+        BlockDiagError: ``groups`` not a positive integer (a model instead of its
+            ``heads``, zero, a negative or fractional count); otherwise as
+            :func:`parallelize_groups`.
     """
+    groups = as_size(groups)  # a NumPy integer counts as its int, as GroupedLinear's sizes do
+    if not is_int(groups, 1):
+        # range() would take a negative or zero count (every rank owning an empty or
+        # negative range) and fail on a float or a model with a bare TypeError.
+        if isinstance(groups, nn.Module):
+            count = "heads" if isinstance(groups, GroupedMLP) else "groups"
+            got = f"a {type(groups).__name__} module; pass its count (model.{count}), not the model"
+        else:
+            got = f"{groups!r} ({type(groups).__name__})"
+        raise BlockDiagError(
+            f"local_groups: groups must be a positive int (the model's group or head count), got {got}"
+        )
     world = _check_mesh("local_groups", mesh)
     _check_split("local_groups", "groups", groups, world, "groups")
     if mesh.get_coordinate() is None:
@@ -435,6 +452,11 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
     :meth:`~blockdiag.GroupedMLP.to_heads` or ``to_linears``, which refuse a distributed
     model, or to evaluate or save the model on one rank.
 
+    Each layer's weight and bias are read as its next forward computes them, then gathered:
+    a weight that a parametrization or a hook computes (``parametrize``, ``prune``,
+    ``spectral_norm``) is copied as the weight it computes now, without the parametrization,
+    as :meth:`~blockdiag.GroupedMLP.to_heads` copies it.
+
     Args:
         model: a ``GroupedMLP`` or ``GroupedLinear`` whose parameters may be DTensors (group
             parallel, FSDP2, or both).
@@ -450,9 +472,25 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
         BlockDiagError: another module type.
     """
     fn = "gather_model"
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    if not isinstance(model, (GroupedMLP, GroupedLinear)):
+        raise BlockDiagError(f"{fn}: model must be a blockdiag GroupedMLP or GroupedLinear, got {type(model).__name__}")
+    # Read from the layers, not model.state_dict(): a parametrized or pruned layer's state dict
+    # holds what its weight is computed from (parametrizations.weight.original, weight_orig),
+    # keys a plain model does not have. Each parametrization runs once (parametrize.cached()).
     if isinstance(model, GroupedMLP):
-        w = state["layers.0.weight"]
+        named = [(f"layers.{k}.", layer) for k, layer in enumerate(model.layers)]
+    else:
+        named = [("", model)]
+    state, trains = {}, {}
+    with parametrize.cached():
+        for prefix, layer in named:
+            for name in ("weight", "bias"):
+                t = _read_current(layer, name)
+                if t is not None:
+                    trains[prefix + name] = _trains(layer, name, t)
+                    state[prefix + name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    w = state[named[0][0] + "weight"]
+    if isinstance(model, GroupedMLP):
         plain = GroupedMLP(
             model.in_features, list(model.hidden_features), model.out_features, model.heads,
             bias=[layer.bias is not None for layer in model.layers], shared_input=model.shared_input,
@@ -466,17 +504,18 @@ def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinea
             plain._head_names = model._head_names
             if "_head_linears" in model.__dict__:
                 plain._head_linears = model._head_linears
-    elif isinstance(model, GroupedLinear):
-        w = state["weight"]
+    else:
         plain = GroupedLinear(
             model.in_features, model.out_features, model.groups, model.bias is not None,
             backend=model.backend, device=w.device, dtype=w.dtype,
         )
-    else:
-        raise BlockDiagError(f"{fn}: model must be a blockdiag GroupedMLP or GroupedLinear, got {type(model).__name__}")
     plain.load_state_dict(state)
-    for p, q in zip(plain.parameters(), model.parameters()):
-        p.requires_grad_(q.requires_grad)
-    for mine, theirs in zip(plain.modules(), model.modules()):  # eval() kept, module by module
-        mine.training = theirs.training
+    for name, p in plain.named_parameters():
+        p.requires_grad_(trains[name])
+    # eval() kept, module by module, matched by name: a parametrized layer holds modules
+    # (its parametrizations) that the plain copy does not.
+    theirs = dict(model.named_modules())
+    for name, mine in plain.named_modules():
+        if name in theirs:
+            mine.training = theirs[name].training
     return plain

@@ -1,4 +1,4 @@
-"""Group parallelism on torch.distributed (``blockdiag.distributed``): gloo on CPU, 2 and 4 processes.
+"""Group parallelism on torch.distributed (``blockdiag.distributed``): gloo on CPU, 2, 3 and 4 processes.
 
 Each world size is one job: this file, run as a script in a subprocess (its own session, so a
 timeout kills every process of it), forks ``world`` workers with
@@ -16,6 +16,8 @@ The jobs, in order (the 2-rank job loads the 4-rank job's checkpoint):
 * ``w2``: the forum's 50-head model itself (shared input and per-head input); a single
   ``GroupedLinear`` with a sharded input and a replicated output; float64; the checkpoint
   loaded on 2 ranks; ``to_heads`` refused and ``gather_model``.
+* ``w3``: 6 heads on 3 ranks through several backends (8 heads refused); ``local_groups``'
+  argument; layers whose weight a parametrization or a hook computes.
 * ``raise``: a rank raises while the other waits in a collective: the job must fail fast.
 * ``masked_meta``: a masked ``nn.Linear`` sharded on its own by FSDP2 from the meta device,
   then ``reset_parameters``.
@@ -346,6 +348,61 @@ def test_a_rank_outside_the_mesh_is_told_so(tmp):
         m = rank1["outside_mesh"][key]
         assert m.startswith("BlockDiagError: ") and "(global rank 1) is not in DeviceMesh" in m, (key, m)
         assert "Shard(-1)" not in m, (key, m)
+
+
+@pytest.fixture(scope="module")
+def w3(tmp):
+    return [r["w3"] for r in _run_ok("w3", 3, tmp)]
+
+
+def test_three_ranks_train_as_one_process_with_each_backend(w3):
+    for rank, r in enumerate(w3):
+        assert r["local_groups"] == 2 * rank, (rank, r)
+        cases = [k for k in r if k.endswith(("-shared", "-per_head"))]
+        assert len(cases) >= 6, (rank, sorted(r))
+        for k in cases:
+            assert r[k]["out"] < F64 and r[k]["grad"] < F64 and r[k]["params"] < F64, (rank, k, r[k])
+            assert isinstance(r[k]["gathered"], float) and r[k]["gathered"] < F64, (rank, k, r[k])
+        assert "heads=8 cannot be split evenly over 3 ranks" in r["uneven"], (rank, r["uneven"])
+
+
+def test_local_groups_refuses_a_count_that_is_not_a_positive_int(w3):
+    # A zero or negative count gave every rank an empty or negative range, a float or a model
+    # a bare TypeError from range().
+    for rank, r in enumerate(w3):
+        for bad, shown in (("zero", "got 0 (int)"), ("negative", "got -3 (int)"), ("float", "got 6.0 (float)"),
+                           ("bool", "got True (bool)"), ("model", "a GroupedMLP module; pass its count (model.heads)")):
+            m = r[f"count_{bad}"]
+            assert isinstance(m, str) and m.startswith("BlockDiagError: local_groups: groups must be a positive int"), (
+                rank, bad, m)
+            assert shown in m, (rank, bad, m)
+
+
+def test_a_computed_weight_is_replicated_trains_as_one_process_and_gathers(w3):
+    # The guide: what a parametrization or hook computes from is not sharded by group (it may
+    # mix groups, as spectral_norm does), DTensor replicates it, and the layer trains exactly.
+    for rank, r in enumerate(w3):
+        for name, original in (("parametrized", "layers.1.parametrizations.weight.original"),
+                               ("pruned", "layers.1.weight_orig"),
+                               ("spectral_norm", "layers.1.parametrizations.weight.original")):
+            c = r[name]
+            assert isinstance(c, dict), (rank, name, c)
+            assert c["out"] < F64 and c["grad"] < F64 and c["params"] < F64, (rank, name, c)
+            assert c["placements"][original] == "(Replicate(),)", (rank, name, c["placements"])
+            assert c["placements"]["layers.1.bias"] == "(Shard(dim=0),)", (rank, name, c["placements"])
+            # gather_model copies the weight it computes (load_state_dict failed on the keys
+            # parametrizations.weight.original, weight_orig, ... that a plain model lacks).
+            assert isinstance(c["gathered"], float) and c["gathered"] < F64, (rank, name, c)
+            assert c["gathered_keys"] == ["layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight"], (
+                rank, name, c["gathered_keys"])
+            assert c["gathered_eval"], (rank, name, c)
+        # What the guide says of weight_norm under DTensor in this torch (no sharding rule for its
+        # backward); a torch that gains one must train it exactly instead.
+        c = r["weight_norm"]
+        if isinstance(c, dict):
+            assert c["out"] < F64 and c["grad"] < F64 and c["params"] < F64, (rank, c)
+        else:
+            assert c.startswith("NotImplementedError") and "_weight_norm_interface_backward" in c, (rank, c)
 
 
 def test_arguments_refused_without_a_process_group():
@@ -1217,6 +1274,101 @@ def _job_masked_meta(rank, world, tmp):
     return {"masked_meta": out}
 
 
+class _Twice(torch.nn.Module):
+    """A parametrization of one's own: the weight it computes is twice its original."""
+
+    def forward(self, w):
+        return 2 * w
+
+
+def _three_ranks_case(mesh, make, x, heads, steps=3):
+    """One model against its group-parallel copy (built alike, same seed): outputs, gradients, Adam."""
+    from blockdiag import distributed as bdd
+
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    par = bdd.parallelize_groups(make(), mesh)
+    mine = bdd.local_groups(heads, mesh)
+    target = torch.randn(x.shape[0], 2 * heads, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    cols = slice(2 * mine.start, 2 * mine.stop)
+    out = {"out": 0.0, "grad": 0.0}
+    opt_ref, opt_par = torch.optim.Adam(ref.parameters(), lr=1e-2), torch.optim.Adam(par.parameters(), lr=1e-2)
+    for _ in range(steps):
+        y_ref, y = ref(x), par(x)
+        out["out"] = max(out["out"], _err(y, y_ref[:, cols]))
+        (y_ref - target).pow(2).sum().backward()
+        (y - target[:, cols]).pow(2).sum().backward()
+        out["grad"] = max(out["grad"], max(_err(p.grad, q.grad) for p, q in zip(par.parameters(), ref.parameters())))
+        opt_ref.step(), opt_par.step()
+        opt_ref.zero_grad(), opt_par.zero_grad()
+    out["params"] = max(_err(p, q) for p, q in zip(par.parameters(), ref.parameters()))
+    out["placements"] = {n: str(tuple(p.placements)) for n, p in par.named_parameters()}
+    ref.eval(), par.eval()  # spectral_norm steps its power iteration in training only
+    try:
+        plain = bdd.gather_model(par)
+        out["gathered"] = _err(plain(x), ref(x))
+        out["gathered_keys"] = sorted(plain.state_dict())
+        out["gathered_eval"] = not any(m.training for m in plain.modules())
+    except Exception as e:  # noqa: BLE001 - the type is the finding
+        out["gathered"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _job_w3(rank, world, tmp):
+    """Three ranks: heads the world divides (each backend), counts it does not, local_groups'
+    argument, and layers whose weight a parametrization or a hook computes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.utils import parametrize, prune
+
+    import blockdiag
+    from blockdiag import distributed as bdd
+
+    mesh = init_device_mesh("cpu", (world,))
+    heads = 2 * world
+    out = {"local_groups": bdd.local_groups(heads, mesh).start}
+    for bad in ("zero", "negative", "float", "bool", "model"):
+        value = {"zero": 0, "negative": -world, "float": float(heads), "bool": True,
+                 "model": blockdiag.GroupedMLP(3, [4], 2, heads=heads)}[bad]
+        try:
+            got = bdd.local_groups(value, mesh)
+            out[f"count_{bad}"] = [got.start, got.stop]
+        except Exception as e:  # noqa: BLE001 - the type is the finding
+            out[f"count_{bad}"] = f"{type(e).__name__}: {e}"
+    try:
+        bdd.parallelize_groups(blockdiag.GroupedMLP(3, [4], 2, heads=heads + 2), mesh)
+        out["uneven"] = "sharded"
+    except blockdiag.BlockDiagError as e:
+        out["uneven"] = str(e)
+    x = torch.randn(5, 3 * heads, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for backend in ("auto", "simd", "bmm_fm", "csr"):
+        if backend == "simd" and not _simd_available():
+            continue
+        for shared in (True, False):
+            out[f"{backend}-{'shared' if shared else 'per_head'}"] = _three_ranks_case(
+                mesh, lambda s=shared, b=backend: blockdiag.GroupedMLP(3, [4], 2, heads=heads, shared_input=s, backend=b,
+                                                                       dtype=torch.float64),
+                x[:, :3] if shared else x, heads)
+
+    def computed(how):
+        def make():
+            model = blockdiag.GroupedMLP(3, [4], 2, heads=heads, shared_input=False, dtype=torch.float64)
+            for layer in model.layers:
+                how(layer)
+            return model
+        return make
+
+    for name, how in (("parametrized", lambda l: parametrize.register_parametrization(l, "weight", _Twice())),
+                      ("pruned", lambda l: prune.random_unstructured(l, "weight", amount=0.3)),
+                      ("spectral_norm", lambda l: torch.nn.utils.parametrizations.spectral_norm(l, "weight")),
+                      ("weight_norm", lambda l: torch.nn.utils.parametrizations.weight_norm(l, "weight"))):
+        try:
+            out[name] = _three_ranks_case(mesh, computed(how), x, heads)
+        except Exception as e:  # noqa: BLE001 - the type is the finding
+            out[name] = f"{type(e).__name__}: {e}"
+    return {"w3": out}
+
+
 def _job_outside_mesh(rank, world, tmp):
     """A model sharded over a mesh of rank 0 alone, called on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -1246,7 +1398,7 @@ def _job_raise(rank, world, tmp):
     return {}
 
 
-JOBS = {"w4": _job_w4, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled, "masked_meta": _job_masked_meta,
+JOBS = {"w4": _job_w4, "w3": _job_w3, "w2": _job_w2, "raise": _job_raise, "compiled": _job_compiled, "masked_meta": _job_masked_meta,
         "outside_mesh": _job_outside_mesh, "ddp": _job_ddp}
 
 
