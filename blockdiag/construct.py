@@ -219,7 +219,7 @@ def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> 
         blocks: ``[G, r, c]`` tensor or a sequence of ``[r, c]`` tensors.
         blocksize: ``(p, q)`` dividing ``(r, c)``; default ``(r, c)``, one stored block per
             diagonal block. (Some torch kernels, e.g. MKL on CPU, need square blocks;
-            ``(math.gcd(r, c),) * 2`` always divides.)
+            ``(g, g)`` with ``g = math.gcd(r, c)`` always divides.)
 
     Returns:
         ``torch.sparse_bsr`` tensor ``[G*r, G*c]``; with the default blocksize its

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from typing import cast, overload
 
 import torch
 import torch.distributed as dist
@@ -365,6 +366,27 @@ def _parallelize_mlp(fn: str, model: GroupedMLP, mesh: DeviceMesh, style: GroupP
     return model
 
 
+# One signature per class (here and for gather_model), so that a type checker keeps the
+# class's own methods and sizes on what comes back: parallelize_groups(mlp).heads,
+# gather_model(mlp).to_heads(), gather_model(layer).to_linears().
+@overload
+def parallelize_groups(
+    model: GroupedMLP,
+    mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = True,
+) -> GroupedMLP: ...
+@overload
+def parallelize_groups(
+    model: GroupedLinear,
+    mesh: DeviceMesh,
+    *,
+    input_layouts: Placement | None = None,
+    output_layouts: Placement | None = None,
+    use_local_output: bool = True,
+) -> GroupedLinear: ...
 def parallelize_groups(
     model: GroupedMLP | GroupedLinear,
     mesh: DeviceMesh,
@@ -404,7 +426,8 @@ def parallelize_groups(
     if not isinstance(model, (GroupedMLP, GroupedLinear)):
         raise BlockDiagError(f"{fn}: model must be a blockdiag GroupedMLP or GroupedLinear, got {type(model).__name__}")
     _check_mesh(fn, mesh)  # before parallelize_module, whose own refusal of a 2-D mesh names no dimension
-    return parallelize_module(model, mesh, style)
+    # GroupParallel._apply returns the module it was given (typed nn.Module by torch).
+    return cast("GroupedMLP | GroupedLinear", parallelize_module(model, mesh, style))
 
 
 def local_groups(groups: int, mesh: DeviceMesh) -> range:
@@ -445,6 +468,10 @@ def local_groups(groups: int, mesh: DeviceMesh) -> range:
     return range(r * per, (r + 1) * per)
 
 
+@overload
+def gather_model(model: GroupedMLP) -> GroupedMLP: ...
+@overload
+def gather_model(model: GroupedLinear) -> GroupedLinear: ...
 def gather_model(model: GroupedMLP | GroupedLinear) -> GroupedMLP | GroupedLinear:
     """A plain (undistributed) copy of a group-parallel model, every parameter gathered in full.
 

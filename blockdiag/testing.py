@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from .backends import Problem
+
 __all__ = ["reference_loop", "reference_scipy", "tolerances", "backend_tolerances", "computes_in_tf32", "devices", "DTYPES_CPU"]
 
 DTYPES_CPU = (torch.float32, torch.float64)
+
+
+class Tolerances(TypedDict):
+    """What :func:`tolerances` returns: ``assert_close(actual, expected, **tolerances(...))``.
+
+    A TypedDict, so that a type checker matches its keys to ``assert_close``'s keywords.
+    """
+
+    atol: float
+    rtol: float
 
 
 def reference_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -48,7 +63,7 @@ def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.from_numpy(np.ascontiguousarray(y)).to(device=x.device, dtype=x.dtype)
 
 
-def tolerances(dtype: torch.dtype, k: int = 1, magnitude: float = 1.0) -> dict:
+def tolerances(dtype: torch.dtype, k: int = 1, magnitude: float = 1.0) -> Tolerances:
     """``assert_close`` tolerances for a dtype, loosened for a reduction of length ``k``.
 
     ``magnitude`` (e.g. ``expected.abs().max()``) scales the absolute tolerance: a
@@ -96,7 +111,7 @@ _TOLERANCES = {
 _LOOSEST = 0.25
 
 
-def computes_in_tf32(name: str, problem) -> bool:
+def computes_in_tf32(name: str, problem: Problem) -> bool:
     """Whether backend ``name`` computes ``problem``'s float32 product in TF32 (on CUDA).
 
     torch's Triton BSR kernel always uses TF32 for float32, and cuDNN convolutions do while
@@ -115,7 +130,7 @@ def computes_in_tf32(name: str, problem) -> bool:
     )
 
 
-def backend_tolerances(name: str, problem, k: int = 1, magnitude: float = 1.0) -> dict:
+def backend_tolerances(name: str, problem: Problem, k: int = 1, magnitude: float = 1.0) -> Tolerances:
     """:func:`tolerances` for ``problem.dtype``, or float16's where ``name`` computes it in TF32.
 
     >>> from blockdiag.backends import Problem

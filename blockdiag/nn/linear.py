@@ -6,7 +6,7 @@ import functools
 import math
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Sequence
+from typing import Any, Callable, ParamSpec, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from ..ops.auto import auto_inline as _auto_inline_op
 from ..ops.auto import traced_routes
 
 __all__ = ["GroupedLinear", "grouped_linear"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def check_plain_linear(fn: str, lin: object, where: str) -> None:
@@ -127,7 +130,7 @@ def replaced_call(m: nn.Module) -> str | None:
     return None
 
 
-def computing_once(convert):
+def computing_once(convert: Callable[_P, _R]) -> Callable[_P, _R]:
     """``convert`` (a conversion from modules) with each parametrized tensor computed once.
 
     A parametrized ``weight`` is computed on every read (``spectral_norm`` steps its power
@@ -139,7 +142,7 @@ def computing_once(convert):
     """
 
     @functools.wraps(convert)
-    def run(*args, **kwargs):
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with parametrize.cached():
             return convert(*args, **kwargs)
 
@@ -825,6 +828,13 @@ class GroupedLinear(nn.Module):
     independent ``nn.Linear(block_in, block_out)`` in distribution.
     """
 
+    # Declared for type checkers: the constructor stores each as the int it checked.
+    in_features: int
+    out_features: int
+    groups: int
+    block_in: int
+    block_out: int
+
     def __init__(
         self,
         in_features: int,
@@ -833,8 +843,8 @@ class GroupedLinear(nn.Module):
         bias: bool = True,
         *,
         backend: str = "auto",
-        device=None,
-        dtype=None,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         in_features, out_features, groups = as_size(in_features), as_size(out_features), as_size(groups)
@@ -846,7 +856,7 @@ class GroupedLinear(nn.Module):
         self.block_in = in_features // groups
         self.block_out = out_features // groups
         self.backend = backend
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(groups, self.block_out, self.block_in, **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
@@ -972,7 +982,9 @@ class GroupedLinear(nn.Module):
 
     @classmethod
     @computing_once
-    def from_linears(cls, linears: Sequence[nn.Linear], *, backend: str = "auto") -> "GroupedLinear":
+    def from_linears(
+        cls, linears: Sequence[nn.Linear] | nn.ModuleList, *, backend: str = "auto"
+    ) -> "GroupedLinear":
         """Stack ``G`` equal-shaped ``nn.Linear`` into one layer (weights and biases copied).
 
         >>> heads = [nn.Linear(3, 2) for _ in range(4)]

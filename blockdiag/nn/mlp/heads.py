@@ -19,7 +19,7 @@ from .activations import _check_activation, _hooked
 
 
 @computing_once
-def from_heads(cls: type, heads: Sequence[nn.Module], *, shared_input: bool, backend: str, strategy: str):
+def from_heads(cls: type, heads: Sequence[nn.Module] | nn.ModuleList, *, shared_input: bool, backend: str, strategy: str):
     """:meth:`GroupedMLP.from_heads` (``cls``: the class to build)."""
     fn = "GroupedMLP.from_heads"
     # One head passed where the sequence of them belongs would fail below as "object is not

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -170,6 +170,13 @@ class GroupedMLP(StrategyChoice, nn.Module):
             ``F.gelu``), or an activation that is not stateless and element-wise.
     """
 
+    # Declared for type checkers: the constructor stores the sizes it checked as ints.
+    in_features: int
+    hidden_features: tuple[int, ...]
+    out_features: int
+    heads: int
+    shared_input: bool
+
     def __init__(
         self,
         in_features: int,
@@ -183,8 +190,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
         shared_input: bool = True,
         backend: str = "auto",
         strategy: str = "auto",
-        device=None,
-        dtype=None,
+        device: torch.device | str | int | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         fn = type(self).__name__
@@ -205,7 +212,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
         self.in_features, self.hidden_features, self.out_features = in_features, tuple(hidden), out_features
         self.heads = heads
         self.shared_input = shared_input
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         # As for nn.Linear, any truthy value means a bias; a list or tuple gives one per layer.
         biases = [bool(b) for b in bias] if isinstance(bias, (list, tuple)) else [bool(bias)] * (len(sizes) - 1)
         check(
@@ -631,7 +638,12 @@ class GroupedMLP(StrategyChoice, nn.Module):
 
     @classmethod
     def from_heads(
-        cls, heads: Sequence[nn.Module], *, shared_input: bool = True, backend: str = "auto", strategy: str = "auto"
+        cls,
+        heads: Sequence[nn.Module] | nn.ModuleList,
+        *,
+        shared_input: bool = True,
+        backend: str = "auto",
+        strategy: str = "auto",
     ) -> "GroupedMLP":
         """Build from identical ``nn.Sequential(Linear, act, ..., Linear)`` heads, copying weights.
 
