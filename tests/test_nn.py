@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call, grad, jacrev, vmap
 
 import blockdiag
 from blockdiag import BlockDiagError, GroupedLinear, GroupedMLP, grouped_linear
@@ -52,6 +53,44 @@ def test_the_output_can_be_changed_in_place_in_training(name, lead):
     for got, want in zip((gx, gw, gb), torch.autograd.grad((yr * r).sum(), (xr, wr, br))):
         torch.testing.assert_close(got, want)
     assert torch.equal(x.detach(), x0)
+
+
+@pytest.mark.parametrize("how", ["vmap", "vmap_weights", "grad", "jacrev"])
+@pytest.mark.parametrize("name", ["auto"] + FIXED)
+def test_the_output_can_be_changed_in_place_under_torch_func(name, how):
+    # As in training (above), under a torch.func transform: the Functions those transforms
+    # run returned a view (the batching rule's reshape of the product under vmap, a
+    # feature-major kernel's product under grad), and autograd refused nn.ReLU(inplace=True).
+    torch.manual_seed(0)
+    if name != "auto" and not _runnable(name, batch=3, g=2, i=4, o=3):
+        pytest.skip(f"{name} does not run this float64 training problem")
+    layer = GroupedLinear(8, 6, groups=2, backend=name, dtype=torch.float64)
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    scale = torch.arange(1.0, 7.0, dtype=torch.float64)
+
+    def f(w, b, xx, module=True):
+        y = functional_call(layer, {"weight": w, "bias": b}, (xx,)) if module else \
+            torch.nn.functional.linear(xx, torch.block_diag(*w), b)
+        return (y.relu_() if module else y.relu()) * scale
+
+    w, b = layer.weight.detach(), layer.bias.detach()
+    for module in (True, False):
+        if how == "vmap":  # autograd records outside: the parameters require grad
+            wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+            y = vmap(lambda xx: f(wg, bg, xx, module))(x)
+            got = (y, *torch.autograd.grad(y.sum(), (wg, bg)))
+        elif how == "vmap_weights":  # an ensemble: one copy of the weights per model
+            ws, bs = torch.stack([w, 2 * w]).requires_grad_(), torch.stack([b, -b]).requires_grad_()
+            y = vmap(lambda ww, bb: f(ww, bb, x[0], module))(ws, bs)
+            got = (y, *torch.autograd.grad(y.sum(), (ws, bs)))
+        elif how == "grad":
+            got = vmap(grad(lambda xx: f(w, b, xx, module).sum()))(x[0])
+        else:
+            got = jacrev(lambda xx: f(w, b, xx, module))(x[0])
+        if module:
+            result = got
+        else:
+            torch.testing.assert_close(result, got)
 
 
 def _heads(n, sizes, bias=True, act=nn.ReLU, device="cpu", dtype=torch.float64):

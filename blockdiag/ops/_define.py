@@ -667,7 +667,7 @@ def _functions(entry: OpEntry) -> None:
 
         @staticmethod
         def forward(x, weight, bias):
-            return entry.fwd_op(x, weight, bias)
+            return _own(entry.fwd_op(x, weight, bias), x, weight, bias)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -711,6 +711,19 @@ def _named(cls: type, name: str) -> type:
     return type(name, (torch.autograd.Function,), {k: v for k, v in vars(cls).items() if k in keep})
 
 
+def _unviewed(y: torch.Tensor, *operands: Optional[torch.Tensor]) -> torch.Tensor:
+    """A batching rule's result as a tensor of its own where nothing differentiates it (:func:`_own`).
+
+    Under ``vmap`` the Functions' generated batching rule (``generate_vmap_rule``) returns
+    what the op's rule returns from the Function's forward, which runs under ``no_grad``: a
+    reshape of the product would be a view returned from a Function, and autograd refused
+    the in-place change (``nn.ReLU(inplace=True)`` after the layer) that ``nn.Linear``'s
+    output allows. Where grad mode is on (a traced graph differentiating the rule's ops) the
+    view is kept: detaching it there would cut the gradient.
+    """
+    return _own(y, *operands) if not torch.is_grad_enabled() else y
+
+
 def _vmap_rule(op, entry: Optional[OpEntry] = None):
     """Batching rule: vmapped weights become more groups of one product; a vmapped input more rows.
 
@@ -723,14 +736,15 @@ def _vmap_rule(op, entry: Optional[OpEntry] = None):
         if wd is None and bd is None:
             x = x.movedim(xd, 0)
             y = op(x.reshape(nb * x.shape[1], x.shape[2]), weight, bias)
-            return y.reshape(nb, x.shape[1], y.shape[-1]), 0
+            return _unviewed(y.reshape(nb, x.shape[1], y.shape[-1]), x, weight, bias), 0
         w = weight.movedim(wd, 0) if wd is not None else weight.expand(nb, *weight.shape)
         b = None if bias is None else (bias.movedim(bd, 0) if bd is not None else bias.expand(nb, *bias.shape))
         if entry is not None and entry.forward_copies is not None:
             # The op's checks, on one copy's operands (views: nothing is copied).
             check_operands(entry.name, *(t if d is None else t.select(d, 0)
                                          for t, d in ((x, xd), (weight, wd), (bias, bd))))
-            return entry.forward_copies(x.movedim(xd, 0) if xd is not None else x[None], w, b), 0
+            y = entry.forward_copies(x.movedim(xd, 0) if xd is not None else x[None], w, b)
+            return _unviewed(y, x, weight, bias), 0
         g = w.shape[1]
         wf = w.reshape(nb * g, w.shape[2], w.shape[3])
         bf = None if b is None else b.reshape(-1)
@@ -740,7 +754,7 @@ def _vmap_rule(op, entry: Optional[OpEntry] = None):
             x = x.movedim(xd, 0)
             xf = x.permute(1, 0, 2).reshape(x.shape[1], nb * x.shape[2])
         y = op(xf, wf, bf)
-        return y.reshape(y.shape[0], nb, y.shape[1] // nb), 1
+        return _unviewed(y.reshape(y.shape[0], nb, y.shape[1] // nb), x, weight, bias), 1
 
     return rule
 

@@ -52,6 +52,7 @@ from ._define import (
     _placeholders,
     _records,
     _named,
+    _own,
     _setup,
     check_backward_operands,
     differentiable_backward_needed,
@@ -202,7 +203,7 @@ class _Functorch(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, train):
-        return FORWARD(x, weight, bias, train)
+        return _own(FORWARD(x, weight, bias, train), x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -526,7 +526,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         layers = tuple(self._modules["layers"]._modules.values())
         acts = tuple(self._modules["activations"]._modules.values())
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        # The rows counted, not -1: under vmap over an empty dimension the physical reshape
+        # (vmap's size 0 in front) cannot infer -1 from 0 elements.
+        x2 = x.reshape(lead.numel(), x.shape[-1])
         n, hds = x2.shape[0], self.heads
         first = layers[0]
         if self.shared_input:
