@@ -124,7 +124,10 @@ def register_backend(backend: Backend) -> Backend:
     Raises:
         BlockDiagError: a backend of that name is already registered (the message names it;
             :func:`unregister_backend` it first), the name is ``"auto"`` or not a non-empty
-            string, ``fn`` is not callable, or ``same_forward_as`` names an unregistered backend.
+            string, ``fn`` is not callable, ``same_forward_as`` names an unregistered backend, or
+            a field is not of its documented kind (a flag that is not a bool, ``dtypes``,
+            ``upcasts`` or ``reduced_precision`` not keyed by device type, ``requires`` not a
+            module name, a ``constraint`` or ``probe`` that is not callable).
     """
     if not isinstance(backend, Backend):
         raise BlockDiagError(f"register_backend: expected a blockdiag.Backend, got {type(backend).__name__}")

@@ -294,7 +294,7 @@ def _first_offdiag(rows: torch.Tensor, cols: torch.Tensor, r: int, c: int) -> in
 
 
 def _blocks_from_coo(
-    fn: str, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape, groups: int
+    fn: str, rows: torch.Tensor, cols: torch.Tensor, vals: torch.Tensor, shape, groups: int, arg: str = "matrix"
 ) -> torch.Tensor:
     r, c = shape[0] // groups, shape[1] // groups
     nz = vals != 0
@@ -302,7 +302,7 @@ def _blocks_from_coo(
     if k is not None:
         i, j = int(rows[nz][k]), int(cols[nz][k])
         raise BlockDiagError(
-            f"{fn}: matrix of shape {tuple(shape)} has a non-zero {vals[nz][k].item()!r} at "
+            f"{fn}: {arg} of shape {tuple(shape)} has a non-zero {vals[nz][k].item()!r} at "
             f"({i}, {j}), outside the {groups} diagonal blocks of shape ({r}, {c})"
         )
     out = torch.zeros(groups, r, c, dtype=vals.dtype, device=vals.device)
@@ -370,7 +370,11 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         BlockDiagError: if ``matrix`` is not 2-D, ``groups`` does not divide its shape, or any
             entry outside the diagonal blocks is non-zero (the message names the first one).
     """
-    fn = "to_blocks"
+    return _to_blocks("to_blocks", "matrix", matrix, groups)
+
+
+def _to_blocks(fn: str, arg: str, matrix: Any, groups: int) -> torch.Tensor:
+    """:func:`to_blocks` for ``fn``, whose messages name its argument ``arg``."""
     groups = as_size(groups)
     if not isinstance(matrix, torch.Tensor):
         # A scipy matrix means scipy.sparse is imported already: without it, none can exist
@@ -379,9 +383,9 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         check(
             fn,
             sp is not None and sp.issparse(matrix),
-            f"matrix must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
+            f"{arg} must be a torch tensor or a scipy sparse matrix, got {type(matrix).__name__}",
         )
-        check(fn, len(matrix.shape) == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+        check(fn, len(matrix.shape) == 2, f"{arg} must be 2-D, got shape {tuple(matrix.shape)}")
         # A copy (tocoo may return the caller's own array), with duplicates summed as the
         # torch path coalesces: +1 and -1 at one place are a zero, not a stray entry.
         coo = matrix.tocoo(copy=True)
@@ -392,15 +396,15 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
             vals = torch.from_numpy(coo.data)
         except TypeError:
             raise BlockDiagError(
-                f"{fn}: matrix has dtype {coo.data.dtype}, which torch has no dtype for; convert it first "
-                "(matrix.astype(numpy.float64))"
+                f"{fn}: {arg} has dtype {coo.data.dtype}, which torch has no dtype for; convert it first "
+                f"({arg}.astype(numpy.float64))"
             ) from None
         shape = coo.shape
-        _check_shape(fn, shape, groups)
-        return _blocks_from_coo(fn, rows, cols, vals, shape, groups)
-    check(fn, matrix.dim() == 2, f"matrix must be 2-D, got shape {tuple(matrix.shape)}")
+        _check_shape(fn, shape, groups, arg)
+        return _blocks_from_coo(fn, rows, cols, vals, shape, groups, arg)
+    check(fn, matrix.dim() == 2, f"{arg} must be 2-D, got shape {tuple(matrix.shape)}")
     shape = tuple(matrix.shape)
-    _check_shape(fn, shape, groups)
+    _check_shape(fn, shape, groups, arg)
     r, c = shape[0] // groups, shape[1] // groups
     if matrix.layout == torch.strided:
         m = matrix.view(groups, r, groups, c) if matrix.is_contiguous() else matrix.reshape(
@@ -416,7 +420,7 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         if not matrix.is_meta and bool(off.any()):
             i, j = (int(v) for v in off.nonzero()[0])
             raise BlockDiagError(
-                f"{fn}: matrix of shape {shape} has a non-zero {matrix[i, j].item()!r} at "
+                f"{fn}: {arg} of shape {shape} has a non-zero {matrix[i, j].item()!r} at "
                 f"({i}, {j}), outside the {groups} diagonal blocks of shape ({r}, {c})"
             )
         return blocks
@@ -424,17 +428,18 @@ def to_blocks(matrix: Any, groups: int) -> torch.Tensor:
         check(
             fn,
             matrix.sparse_dim() == 2 and matrix.dense_dim() == 0,
-            f"matrix is a hybrid COO tensor ({matrix.sparse_dim()} sparse and {matrix.dense_dim()} dense "
+            f"{arg} is a hybrid COO tensor ({matrix.sparse_dim()} sparse and {matrix.dense_dim()} dense "
             f"dimensions, shape {shape}); only plain 2-D matrices hold blocks",
         )
     if matrix.is_meta:  # no indices to read: the blocks' shape, as for a dense meta matrix
         return torch.empty(groups, r, c, dtype=matrix.dtype, device=matrix.device)
     coo = matrix.to_sparse_coo().coalesce() if matrix.layout != torch.sparse_coo else matrix.coalesce()
     rows, cols = coo.indices()
-    return _blocks_from_coo(fn, rows, cols, coo.values(), shape, groups)
+    return _blocks_from_coo(fn, rows, cols, coo.values(), shape, groups, arg)
 
 
-def _check_shape(fn: str, shape, groups: int) -> None:
+def _check_shape(fn: str, shape, groups: int, arg: str = "matrix") -> None:
+    # ``arg``: the caller's name for the matrix (from_scipy's is ``spmatrix``).
     check(
         fn,
         is_int(groups, 1),
@@ -445,13 +450,13 @@ def _check_shape(fn: str, shape, groups: int) -> None:
     check(
         fn,
         shape[0] > 0 and shape[1] > 0,
-        f"matrix of shape {tuple(shape)} has an empty side; its blocks must have rows, cols >= 1, "
+        f"{arg} of shape {tuple(shape)} has an empty side; its blocks must have rows, cols >= 1, "
         "as the builders' blocks do",
     )
     check(
         fn,
         shape[0] % groups == 0 and shape[1] % groups == 0,
-        f"groups={groups} must divide both dimensions of the matrix of shape {tuple(shape)}",
+        f"groups={groups} must divide both dimensions of {arg} (shape {tuple(shape)})",
     )
 
 
@@ -586,7 +591,7 @@ def from_scipy(
             # numpy's longdouble (or its complex): torch has none, and dtype says what to make
             # of it; through the widest dtype torch has, nothing a torch dtype keeps is lost.
             spmatrix = spmatrix.astype(np.float64 if kind == "f" else np.complex128)
-    blocks = to_blocks(spmatrix, groups).to(device=device, dtype=dtype)
+    blocks = _to_blocks("from_scipy", "spmatrix", spmatrix, groups).to(device=device, dtype=dtype)
     check(
         "from_scipy",
         layout == "blocks" or blocks.is_floating_point(),

@@ -236,6 +236,12 @@ def choose(problem: Problem) -> Plan:
         BlockDiagError: a malformed problem (see :class:`~blockdiag.backends.Problem`), or
             one that no backend can run (a dtype none supports, such as an integer type).
     """
+    if not isinstance(problem, Problem):
+        # Anything else failed deep in the ranking ("'tuple' object has no attribute 'device'").
+        raise BlockDiagError(
+            f"choose: problem must be a blockdiag.Problem (e.g. Problem(batch, groups, block_in, block_out)), "
+            f"got {type(problem).__name__}"
+        )
     return cached_plan("auto", problem)
 
 

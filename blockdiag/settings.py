@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ._checks import as_size
 from ._errors import BlockDiagError
 
 __all__ = ["Settings", "config", "set_config", "set_sparsity_threshold", "get_settings", "epoch", "bump_epoch"]
@@ -101,16 +103,29 @@ _BOOL_WORDS = {
 }
 
 
+def _numpy_bool(value: Any) -> bool:
+    """Whether ``value`` is NumPy's bool scalar (no ``bool`` subclass; NumPy is not imported)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
 def _exact(typ: type, value: Any) -> bool:
-    """Whether a non-string ``value`` is a ``typ`` without losing anything in the conversion."""
+    """Whether a non-string ``value`` is a ``typ`` without losing anything in the conversion.
+
+    NumPy's scalars count as the Python numbers they hold, as sizes do elsewhere
+    (:func:`blockdiag._checks.as_size`): ``np.int64(8)`` is a group count, ``np.float32(0.9)``
+    a threshold (``np.float64`` subclasses ``float``, ``np.float32`` does not).
+    """
     if typ is bool:
-        return isinstance(value, bool)
+        return isinstance(value, bool) or _numpy_bool(value)
     if isinstance(value, bool):
         return False
     if typ is float:
-        return isinstance(value, (int, float))
+        return isinstance(value, numbers.Real)
     if typ is int:
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, float):
+            return value.is_integer()
+        v = as_size(value)
+        return isinstance(v, int) and not isinstance(v, bool)
     return isinstance(value, os.PathLike)
 
 
@@ -128,8 +143,8 @@ def _validate(name: str, value: Any, source: str) -> Any:
         value = os.fspath(value)
     if typ is bool:
         # bool("false") is True: a string must be one of the words, not merely non-empty.
-        if isinstance(value, bool):
-            return value
+        if not isinstance(value, str):
+            return bool(value)
         v = _BOOL_WORDS.get(value.strip().lower())
         if v is None:
             raise BlockDiagError(
@@ -138,7 +153,7 @@ def _validate(name: str, value: Any, source: str) -> Any:
         return v
     try:
         v = typ(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: float(2**2000)
         raise BlockDiagError(f"{source}: {name} must be {_KIND[typ]}, got {value!r}") from None
     if name == "sparsity_threshold" and not 0.0 <= v <= 1.0:
         raise BlockDiagError(f"{source}: sparsity_threshold must lie in [0, 1], got {v!r}")
@@ -160,15 +175,20 @@ def set_config(**settings: Any) -> None:
     Raises:
         BlockDiagError: unknown setting or out-of-range value.
     """
+    _set_global("set_config", settings)
+
+
+def _set_global(source: str, settings: dict) -> None:
+    """:func:`set_config`'s work; ``source`` is the caller the error messages name."""
     # All checked before any is applied (as config() does): a bad value changes nothing.
     checked = {}
     for k, v in settings.items():
         if v is None:
             if k not in _ENV:  # an unknown name raises; a known one is un-set, no value to check
-                _validate(k, None, "set_config")
+                _validate(k, None, source)
             checked[k] = None
         else:
-            checked[k] = _validate(k, v, "set_config")
+            checked[k] = _validate(k, v, source)
     for k, v in checked.items():
         if v is None:
             _global.pop(k, None)
@@ -194,7 +214,7 @@ def set_sparsity_threshold(value: float | None) -> None:
     Raises:
         BlockDiagError: value outside ``[0, 1]``.
     """
-    set_config(sparsity_threshold=value)
+    _set_global("set_sparsity_threshold", {"sparsity_threshold": value})
 
 
 @contextlib.contextmanager

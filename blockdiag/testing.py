@@ -26,12 +26,29 @@ class Tolerances(TypedDict):
     rtol: float
 
 
+def _check_operands(fn: str, x: object, weight: object, bias: object) -> None:
+    """Refuse operands that are not tensors, or a weight that is not ``[G, out, in]``.
+
+    The references index and detach them: anything else failed as an AttributeError or an
+    unpacking ValueError from inside this module, naming no argument.
+    """
+    from ._errors import BlockDiagError
+
+    for arg, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if not (isinstance(t, torch.Tensor) or (arg == "bias" and t is None)):
+            raise BlockDiagError(f"{fn}: {arg} must be a torch.Tensor{' or None' if arg == 'bias' else ''}, "
+                                 f"got {type(t).__name__}")
+    if weight.dim() != 3:
+        raise BlockDiagError(f"{fn}: weight must be [groups, block_out, block_in], got shape {tuple(weight.shape)}")
+
+
 def reference_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The definition, one block at a time: ``y[..., g] = F.linear(x[..., g], weight[g], bias[g])``.
 
     >>> reference_loop(torch.ones(1, 4), torch.ones(2, 1, 2), None)
     tensor([[2., 2.]])
     """
+    _check_operands("reference_loop", x, weight, bias)
     g, o, i = weight.shape
     outs = []
     for k in range(g):
@@ -54,6 +71,7 @@ def reference_scipy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """
     from .construct import _import_scipy
 
+    _check_operands("reference_scipy", x, weight, bias)
     linalg = _import_scipy("scipy.linalg", "reference_scipy", "pip install 'scipy>=1.10'; "
                            "reference_loop needs nothing more than torch")
     w = linalg.block_diag(*weight.detach().cpu().double().numpy())
@@ -85,13 +103,22 @@ def tolerances(dtype: torch.dtype, k: int = 1, magnitude: float = 1.0) -> Tolera
     """
     from ._errors import BlockDiagError
 
-    base = _TOLERANCES.get(dtype)
+    base = _TOLERANCES.get(dtype) if isinstance(dtype, torch.dtype) else None  # a list is unhashable
     if base is None:
-        raise BlockDiagError(f"tolerances: dtype={dtype} has none; known: {', '.join(map(str, _TOLERANCES))}")
-    if not k >= 0:
-        raise BlockDiagError(f"tolerances: k={k} must be a reduction length >= 0")
+        raise BlockDiagError(f"tolerances: dtype={dtype!r} has none; known: {', '.join(map(str, _TOLERANCES))}")
+    # None or a str compared with 0 (or passed to float) raised a TypeError naming neither argument.
+    try:
+        k_ok = bool(k >= 0)
+    except (TypeError, ValueError, RuntimeError):
+        k_ok = False
+    if not k_ok:
+        raise BlockDiagError(f"tolerances: k={k!r} must be a reduction length >= 0")
+    try:
+        m = abs(float(magnitude))
+    except (TypeError, ValueError, RuntimeError):
+        raise BlockDiagError(
+            f"tolerances: magnitude={magnitude!r} must be a real number (a result's largest size)") from None
     scale = max(1.0, k**0.5 / 4)
-    m = abs(float(magnitude))
     # A NaN or Inf magnitude (an expected result holding one) would make atol NaN or Inf:
     # an Inf atol passes anything. The dtype's unit scale stands in.
     m = m if m < float("inf") else 1.0
@@ -111,6 +138,15 @@ _TOLERANCES = {
 _LOOSEST = 0.25
 
 
+def _check_problem(fn: str, problem: object) -> None:
+    """Refuse a ``problem`` that is not a :class:`~blockdiag.Problem` (its fields are read)."""
+    from ._errors import BlockDiagError
+    from .backends import Problem
+
+    if not isinstance(problem, Problem):
+        raise BlockDiagError(f"{fn}: problem must be a blockdiag.Problem, got {type(problem).__name__}")
+
+
 def computes_in_tf32(name: str, problem: Problem) -> bool:
     """Whether backend ``name`` computes ``problem``'s float32 product in TF32 (on CUDA).
 
@@ -124,6 +160,7 @@ def computes_in_tf32(name: str, problem: Problem) -> bool:
     """
     from .backends.bsr import triton_applies
 
+    _check_problem("computes_in_tf32", problem)
     return problem.device == "cuda" and problem.dtype == torch.float32 and (
         (name == "bsr" and triton_applies(problem))
         or (name == "conv" and torch.backends.cudnn.allow_tf32)
@@ -137,6 +174,7 @@ def backend_tolerances(name: str, problem: Problem, k: int = 1, magnitude: float
     >>> backend_tolerances("loop", Problem(8, 2, 4, 4)) == tolerances(torch.float32)
     True
     """
+    _check_problem("backend_tolerances", problem)
     dtype = torch.float16 if computes_in_tf32(name, problem) else problem.dtype
     return tolerances(dtype, k, magnitude)
 

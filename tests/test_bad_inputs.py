@@ -229,3 +229,72 @@ def test_what_is_not_an_integer_is_still_no_size(make, bad):
     value = {"bool": True, "numpy_bool": np.True_, "float": 2.0, "tensor": torch.tensor(2)}[bad]
     with pytest.raises(BlockDiagError, match=r"must be|two positive ints|int >= "):
         make(value)
+
+
+# Public entry points given an argument of the wrong kind: each raised an AttributeError or
+# TypeError from inside blockdiag (or, for GroupedMLP.plan of a sparse input, planned what
+# forward refuses). (id naming the entry point and argument, call, pattern.)
+def _from_linears(linears):
+    import torch.distributed.tensor  # noqa: F401  (loaded, the DTensor check reads every item)
+
+    return GroupedLinear.from_linears(linears)
+
+
+def _testing(name, *args, **kwargs):
+    from blockdiag import testing
+
+    return getattr(testing, name)(*args, **kwargs)
+
+
+WRONG_KINDS = [
+    ("choose-problem=tuple", lambda: blockdiag.choose((N, G, I, O)),
+     r"choose: problem must be a blockdiag\.Problem .*got tuple"),
+    ("choose-problem=None", lambda: blockdiag.choose(None), r"choose: problem must be a blockdiag\.Problem .*got NoneType"),
+    ("GroupedMLP.plan-x=None", lambda: GroupedMLP(I, [O], 1, heads=G).plan(None),
+     r"GroupedMLP\.plan: input must be a torch\.Tensor, got NoneType"),
+    ("GroupedMLP.plan-x=list", lambda: GroupedMLP(I, [O], 1, heads=G).plan([[0.0] * I]),
+     r"GroupedMLP\.plan: input must be a torch\.Tensor, got list"),
+    ("GroupedMLP.plan-x=coo", lambda: GroupedMLP(I, [O], 1, heads=G, strategy="layers").plan(_sparse("coo", torch.randn(N, I))),
+     r"GroupedMLP\.plan: input is a sparse_coo tensor.*input\.to_dense\(\)"),
+    ("GroupedMLP.plan-x=csr", lambda: GroupedMLP(I, [O], 1, heads=G, strategy="fm_chain").plan(_sparse("csr", torch.randn(N, I))),
+     r"GroupedMLP\.plan: input is a sparse_csr tensor.*input\.to_dense\(\)"),
+    ("GroupedLinear.from_linears-linears=[None]", lambda: _from_linears([None]),
+     r"from_linears: linears\[0\] is a NoneType, not nn\.Linear"),
+    ("grouped_linear-backend=list", lambda: grouped_linear(torch.randn(N, G * I), torch.randn(G, O, I), backend=["bmm"]),
+     r"grouped_linear: unknown backend \['bmm'\]; valid names are 'auto', 'loop'"),
+    ("GroupedMLP-backend=unknown", lambda: GroupedMLP(I, [O], 1, heads=G, backend="nope"),
+     r"^GroupedMLP: unknown backend 'nope'"),
+    ("Problem-requires_grad=str", lambda: blockdiag.Problem(N, G, I, O, requires_grad="no"),
+     r"Problem: requires_grad must be True or False, got 'no'"),
+    ("Problem-device=empty", lambda: blockdiag.Problem(N, G, I, O, device=""),
+     r"Problem: device must be a device type such as 'cpu', got ''"),
+    ("Problem-requires_grad=None", lambda: blockdiag.Problem(N, G, I, O, requires_grad=None),
+     r"Problem: requires_grad must be True or False, got None"),
+    ("testing.backend_tolerances-problem=None", lambda: _testing("backend_tolerances", "bmm", None),
+     r"backend_tolerances: problem must be a blockdiag\.Problem, got NoneType"),
+    ("testing.computes_in_tf32-problem=str", lambda: _testing("computes_in_tf32", "bmm", "cpu"),
+     r"computes_in_tf32: problem must be a blockdiag\.Problem, got str"),
+    ("testing.reference_loop-weight=None", lambda: _testing("reference_loop", torch.ones(1, 4), None, None),
+     r"reference_loop: weight must be a torch\.Tensor, got NoneType"),
+    ("testing.reference_scipy-weight=2d", lambda: _testing("reference_scipy", torch.ones(1, 4), torch.ones(4, 4), None),
+     r"reference_scipy: weight must be \[groups, block_out, block_in\], got shape \(4, 4\)"),
+    ("testing.tolerances-k=None", lambda: _testing("tolerances", torch.float32, None), r"tolerances: k=None must be"),
+    ("testing.tolerances-magnitude=None", lambda: _testing("tolerances", torch.float32, 1, None),
+     r"tolerances: magnitude=None must be a real number"),
+    ("testing.tolerances-dtype=list", lambda: _testing("tolerances", [torch.float32]),
+     r"tolerances: dtype=\[torch\.float32\] has none"),
+]
+
+
+@pytest.mark.parametrize("call,pattern", [t[1:] for t in WRONG_KINDS], ids=[t[0] for t in WRONG_KINDS])
+def test_an_argument_of_the_wrong_kind_is_named(call, pattern):
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(BlockDiagError, match=pattern):
+            call()
+
+
+def test_a_numpy_bool_requires_grad_is_the_bool_it_holds():
+    np = pytest.importorskip("numpy")
+    p = blockdiag.Problem(N, G, I, O, requires_grad=np.True_)
+    assert p.requires_grad is True and p == blockdiag.Problem(N, G, I, O, requires_grad=True)

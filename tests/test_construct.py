@@ -565,3 +565,26 @@ def test_to_blocks_names_an_empty_side_not_the_divisibility(shape, groups, kind)
     with pytest.raises(BlockDiagError, match=rf"to_blocks: matrix of shape \({shape[0]}, {shape[1]}\) has an empty side") as e:
         to_blocks(m, groups)
     assert "must divide" not in str(e.value)
+
+
+FROM_SCIPY_REFUSALS = [
+    ("from_scipy-spmatrix=None", lambda: from_scipy(None, 2),
+     r"^from_scipy: spmatrix must be a torch tensor or a scipy sparse matrix, got NoneType"),
+    ("from_scipy-spmatrix=ndarray", lambda: from_scipy(np.eye(4), 2), r"^from_scipy: spmatrix must be .*got ndarray"),
+    ("from_scipy-spmatrix=off-diagonal", lambda: from_scipy(sp.csr_array(np.ones((4, 4))), 2),
+     r"^from_scipy: spmatrix of shape \(4, 4\) has a non-zero 1\.0 at \(0, 2\), outside the 2 diagonal blocks"),
+    ("from_scipy-spmatrix=empty-side", lambda: from_scipy(sp.csr_array((0, 4)), 2),
+     r"^from_scipy: spmatrix of shape \(0, 4\) has an empty side"),
+    ("from_scipy-groups=3", lambda: from_scipy(sp.eye(4, format="csr"), 3),
+     r"^from_scipy: groups=3 must divide both dimensions of spmatrix \(shape \(4, 4\)\)"),
+    ("from_scipy-groups=None", lambda: from_scipy(sp.eye(4, format="csr"), None),
+     r"^from_scipy: groups must be a positive int, got None"),
+]
+
+
+@pytest.mark.parametrize("call,pattern", [c[1:] for c in FROM_SCIPY_REFUSALS], ids=[c[0] for c in FROM_SCIPY_REFUSALS])
+def test_from_scipy_names_its_own_arguments(call, pattern):
+    # The refusals came from the to_blocks it calls, as "to_blocks: matrix ...": a function and
+    # an argument (matrix) the caller never named.
+    with pytest.raises(BlockDiagError, match=pattern):
+        call()

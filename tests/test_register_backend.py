@@ -222,6 +222,60 @@ def test_a_malformed_dtypes_declaration_is_refused_at_registration(dtypes):
     assert blockdiag.grouped_linear(torch.randn(2, 8), torch.randn(2, 4, 4)).shape == (2, 8)
 
 
+MALFORMED_FIELDS = [
+    ("reduced_precision=None", {"reduced_precision": None}, r"reduced_precision must be a mapping"),
+    ("reduced_precision=flat-set", {"reduced_precision": frozenset({torch.float32})}, r"reduced_precision must be a mapping"),
+    ("reduced_precision=no-reason", {"reduced_precision": {"cpu": frozenset({torch.float32})}},
+     r"reduced_precision\['cpu'\] must be a \(set of torch.dtype, reason str\) pair"),
+    ("upcasts=flat-set", {"upcasts": frozenset({torch.float16})}, r"upcasts must be a mapping"),
+    ("upcasts=dtype-names", {"upcasts": {"cpu": {"float16"}}}, r"upcasts\['cpu'\] must be a set of torch.dtype"),
+    ("upcasts=device-key", {"upcasts": {torch.device("cpu"): {torch.float16}}}, r"upcasts: keys must be device types"),
+    ("requires=int", {"requires": 3}, r"requires must be a non-empty str or None, got 3"),
+    ("requires=relative", {"requires": ".ext"}, r"requires must name a module .*got '\.ext'"),
+    ("same_forward_as=list", {"same_forward_as": ["loop"]}, r"same_forward_as must be a non-empty str or None, got \['loop'\]"),
+    ("grad=str", {"grad": "no"}, r"grad must be True or False, got 'no'"),
+    ("double_grad=None", {"double_grad": None}, r"double_grad must be True or False, got None"),
+    ("sparse=int", {"sparse": 1}, r"sparse must be True or False, got 1"),
+    ("constraint=str", {"constraint": "block_in > 2"}, r"constraint must be callable or None"),
+    ("summary=None", {"summary": None}, r"summary must be a str, got None"),
+]
+
+
+@pytest.mark.parametrize("fields,match", [c[1:] for c in MALFORMED_FIELDS], ids=[c[0] for c in MALFORMED_FIELDS])
+def test_register_backend_refuses_a_malformed_field(fields, match):
+    # reduced_precision, upcasts and requires are read for every backend on every plan: a
+    # malformed one registered fine and then made every backend="auto" call of the process
+    # raise an AttributeError or TypeError naming no backend. A flag such as grad="no" was
+    # read as its truth value (a backward declared).
+    registry = blockdiag.backends._registry
+    loop = registry.get("loop")
+    try:
+        with pytest.raises(BlockDiagError, match=r"register: backend 'test_bad_field': " + match):
+            blockdiag.register_backend(Backend("test_bad_field", _einsum, dtypes=F32, **fields))
+        with pytest.raises(BlockDiagError, match=r"replace: backend 'loop': " + match):
+            registry.replace(Backend("loop", _einsum, dtypes=F32, **fields))
+    finally:  # a failing run leaves no malformed backend to fail the tests after it
+        if "test_bad_field" in registry.names():
+            blockdiag.unregister_backend("test_bad_field")
+        if registry.get("loop") is not loop:
+            registry.replace(loop)
+    assert blockdiag.grouped_linear(torch.randn(2, 8), torch.randn(2, 4, 4)).shape == (2, 8)
+
+
+def test_a_backend_requiring_a_submodule_of_a_missing_package_is_unavailable():
+    # find_spec("pkg.ext") imports pkg: with pkg missing it raised ModuleNotFoundError in every
+    # plan of the process (every backend is asked), so every backend="auto" call failed.
+    blockdiag.register_backend(Backend("test_missing_ext", _einsum, dtypes=F32, requires="no_such_pkg_xyz.ext"))
+    try:
+        info = {b.name: b for b in blockdiag.list_backends()}["test_missing_ext"]
+        assert not info.available and "no-such-pkg-xyz.ext is not installed" in info.reason
+        assert blockdiag.grouped_linear(torch.randn(2, 8), torch.randn(2, 4, 4)).shape == (2, 8)
+        with pytest.raises(BlockDiagError, match=r"test_missing_ext.*unavailable: no-such-pkg-xyz\.ext is not installed"):
+            blockdiag.grouped_linear(torch.randn(2, 8), torch.randn(2, 4, 4), backend="test_missing_ext")
+    finally:
+        blockdiag.unregister_backend("test_missing_ext")
+
+
 def _raises(*_):
     raise ValueError("oops")
 

@@ -28,8 +28,10 @@ def _reset_globals():
 def test_threshold_out_of_range_names_the_value(bad, rule):
     # The whole message: who raised it, the setting, the rule broken and the value given.
     value = re.escape(repr(bad))
-    with pytest.raises(BlockDiagError, match=rf"^set_config: sparsity_threshold {rule}, got {value}$"):
+    with pytest.raises(BlockDiagError, match=rf"^set_sparsity_threshold: sparsity_threshold {rule}, got {value}$"):
         blockdiag.set_sparsity_threshold(bad)
+    with pytest.raises(BlockDiagError, match=rf"^set_config: sparsity_threshold {rule}, got {value}$"):
+        blockdiag.set_config(sparsity_threshold=bad)
     with pytest.raises(BlockDiagError, match=rf"^config: sparsity_threshold {rule}, got {value}$"):
         with blockdiag.config(sparsity_threshold=bad):
             pass
@@ -213,3 +215,46 @@ def test_the_developers_settings_do_not_reach_the_tests():
                          capture_output=True, text=True, env=env, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "name, make, stored",
+    [
+        pytest.param("dense_max_groups", lambda np: np.int64(8), 8, id="set_config-dense_max_groups=np.int64"),
+        pytest.param("dense_max_elements", lambda np: np.uint32(4096), 4096, id="set_config-dense_max_elements=np.uint32"),
+        pytest.param("sparsity_threshold", lambda np: np.float32(0.5), 0.5, id="set_config-sparsity_threshold=np.float32"),
+        pytest.param("sparsity_threshold", lambda np: np.int64(1), 1.0, id="set_config-sparsity_threshold=np.int64"),
+        pytest.param("double_backward", lambda np: np.True_, True, id="set_config-double_backward=np.bool_"),
+    ],
+)
+def test_numpy_scalars_are_the_numbers_they_hold(name, make, stored):
+    # Sizes and counts take NumPy integers elsewhere (GroupedLinear(groups=np.int64(4))); the
+    # settings refused np.int64(8) as "must be an int" and np.float32(0.5) as "must be a float"
+    # (np.float64, a float subclass, passed). Stored as plain Python values (cache keys).
+    np = pytest.importorskip("numpy")
+    try:
+        blockdiag.set_config(**{name: make(np)})
+        got = getattr(blockdiag.get_settings(), name)
+        assert got == stored and type(got) is type(stored)
+        with blockdiag.config(**{name: make(np)}):
+            got = getattr(blockdiag.get_settings(), name)
+            assert got == stored and type(got) is type(stored)
+    finally:
+        blockdiag.set_config(**{name: None})
+
+
+@pytest.mark.parametrize(
+    "name, value, pattern",
+    [
+        pytest.param("dense_max_groups", "np.bool_", r"must be an int, got np\.True_", id="set_config-dense_max_groups=np.bool_"),
+        pytest.param("sparsity_threshold", "np.bool_", r"must be a float, got np\.True_", id="set_config-sparsity_threshold=np.bool_"),
+        pytest.param("sparsity_threshold", 2**2000, r"must be a float, got 1", id="set_config-sparsity_threshold=2**2000"),
+    ],
+)
+def test_what_holds_no_such_number_is_still_refused(name, value, pattern):
+    np = pytest.importorskip("numpy")
+    value = np.True_ if value == "np.bool_" else value
+    before = blockdiag.get_settings()
+    with pytest.raises(BlockDiagError, match=rf"^set_config: {name} " + pattern):
+        blockdiag.set_config(**{name: value})
+    assert blockdiag.get_settings() == before

@@ -54,10 +54,17 @@ class Problem:
         if isinstance(self.device, torch.device):
             # torch.device("cuda:1") and "cuda" are the same problem: keyed by device type.
             object.__setattr__(self, "device", self.device.type)
-        if not isinstance(self.device, str):
+        if not isinstance(self.device, str) or not self.device.strip():
+            # An empty one planned on: every backend then declined it "on  (runs on cpu, cuda)".
             raise BlockDiagError(f"Problem: device must be a device type such as 'cpu', got {self.device!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise BlockDiagError(f"Problem: dtype must be a torch.dtype, got {self.dtype!r}")
+        if type(self.requires_grad) is not bool:
+            # Read as a truth value, requires_grad="no" planned for training; a NumPy bool is
+            # the bool it holds (stored as one: the problem is a cache key).
+            if not _settings._numpy_bool(self.requires_grad):
+                raise BlockDiagError(f"Problem: requires_grad must be True or False, got {self.requires_grad!r}")
+            object.__setattr__(self, "requires_grad", bool(self.requires_grad))
 
     @property
     def sparsity(self) -> float:
@@ -94,6 +101,19 @@ class Problem:
 
 # fn(x [N, G*in], weight [G, out, in], bias [G*out] | None) -> [N, G*out]
 KernelFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def _find_spec(module: str):
+    """``importlib.util.find_spec(module)``, None where a parent package is missing too.
+
+    For a dotted name find_spec imports the parents, and raises where one is not installed:
+    a backend declaring ``requires="pkg.ext"`` then failed every plan of the process (every
+    backend is asked) with ModuleNotFoundError, where it is only unavailable.
+    """
+    try:
+        return importlib.util.find_spec(module)
+    except ImportError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -164,7 +184,7 @@ class Backend:
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run in this installation at all, or None."""
-        if self.requires and importlib.util.find_spec(self.requires) is None:
+        if self.requires and _find_spec(self.requires) is None:
             return f"{self.requires.replace('_', '-')} is not installed"
         if self.probe is not None:
             return self._hook("probe", self.probe)
@@ -313,12 +333,62 @@ def _check_dtypes(fn_name: str, backend: Backend) -> None:
             raise BlockDiagError(f"{where}[{dev!r}] is empty: the backend would never run on {dev}")
 
 
+# The declared flags: a non-bool (``grad="no"``, truthy) would be read as its truth value.
+_FLAGS = ("grad", "sparse", "dense_matrix", "double_grad", "isolates_groups", "loops_groups")
+
+
+def _check_fields(fn_name: str, backend: Backend) -> None:
+    """Refuse a declaration of another shape than the fields' documented ones.
+
+    The chooser reads ``requires``, ``reduced_precision`` and ``upcasts`` of every backend
+    on every plan: a malformed one (``reduced_precision=None``, a flat set of dtypes,
+    ``requires=3``) failed there, inside every ``auto`` call of the process, with an
+    AttributeError or TypeError that named no backend. The flags are read as truth values,
+    so ``grad="no"`` declared a backward.
+    """
+    where = f"{fn_name}: backend {backend.name!r}"
+    for flag in _FLAGS:
+        v = getattr(backend, flag)
+        if not isinstance(v, bool):
+            raise BlockDiagError(f"{where}: {flag} must be True or False, got {v!r}")
+    for name in ("requires", "same_forward_as"):
+        v = getattr(backend, name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise BlockDiagError(f"{where}: {name} must be a non-empty str or None, got {v!r}")
+    if backend.requires is not None and not all(part.isidentifier() for part in backend.requires.split(".")):
+        raise BlockDiagError(
+            f"{where}: requires must name a module (such as 'scipy' or 'pkg.ext'), got {backend.requires!r}")
+    if not isinstance(backend.summary, str):
+        raise BlockDiagError(f"{where}: summary must be a str, got {backend.summary!r}")
+    for name in ("constraint", "probe"):
+        v = getattr(backend, name)
+        if v is not None and not callable(v):
+            raise BlockDiagError(f"{where}: {name} must be callable or None, got {v!r}")
+    for name, value_shape in (("upcasts", "a set of torch.dtype"),
+                              ("reduced_precision", "a (set of torch.dtype, reason str) pair")):
+        d = getattr(backend, name)
+        shape = f"a mapping {{device type: {value_shape}}}"
+        if not isinstance(d, Mapping):
+            raise BlockDiagError(f"{where}: {name} must be {shape}, got {d!r}")
+        for dev, v in d.items():
+            if not isinstance(dev, str) or not dev or ":" in dev:
+                raise BlockDiagError(f"{where}: {name}: keys must be device types such as 'cpu' or 'cuda', got {dev!r}")
+            ds = v
+            if name == "reduced_precision":
+                if not isinstance(v, tuple) or len(v) != 2 or not isinstance(v[1], str):
+                    raise BlockDiagError(f"{where}: {name}[{dev!r}] must be {value_shape}, got {v!r}")
+                ds = v[0]
+            if not isinstance(ds, (set, frozenset, tuple, list)) or not all(isinstance(t, torch.dtype) for t in ds):
+                raise BlockDiagError(f"{where}: {name}[{dev!r}] must be {value_shape}, got {v!r}")
+
+
 def register(backend: Backend) -> Backend:
     """Add a backend; a duplicate name raises :class:`BlockDiagError` (see :func:`replace`)."""
     if backend.name == "auto":
         raise BlockDiagError("register: 'auto' is reserved (backend='auto' asks the chooser); name the backend otherwise")
     if backend.name in _REGISTRY:
         raise BlockDiagError(f"register: a backend named {backend.name!r} is already registered")
+    _check_fields("register", backend)
     _check_same_forward("register", backend)
     _check_dtypes("register", backend)
     _REGISTRY[backend.name] = backend
@@ -339,6 +409,7 @@ def replace(backend: Backend) -> Backend:
             its ``same_forward_as`` names an unregistered backend.
     """
     old = get(backend.name, "replace", auto_valid=False)
+    _check_fields("replace", backend)
     _check_same_forward("replace", backend)
     _check_dtypes("replace", backend)
     _REGISTRY[backend.name] = backend

@@ -575,7 +575,11 @@ def _select(fn: str, backend: str, x: torch.Tensor, weight: torch.Tensor, bias: 
     else:
         key = (backend, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, grad, ep,
                bias.shape, bias.dtype, bias.device)
-    name = _SELECTED.get(key)
+    try:
+        name = _SELECTED.get(key)
+    except TypeError:  # an unhashable backend (a list): get() names it and the valid names
+        get(backend, fn)
+        raise
     if name is not None:
         return name
     name = plan_for(backend, _problem(fn, x, weight, bias), fn).backend

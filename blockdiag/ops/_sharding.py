@@ -232,7 +232,8 @@ def refuse_sharded(fn: str, module: torch.nn.Module, prefix: str = "") -> None:
     Cheap when DTensor has not been imported (nothing can be one then). ``prefix`` goes
     before the parameter's name in the message.
     """
-    if "torch.distributed.tensor" not in sys.modules:
+    # Not a module (a None in a list of Linears): the caller's own type check names it.
+    if "torch.distributed.tensor" not in sys.modules or not isinstance(module, torch.nn.Module):
         return
     for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in items:

@@ -209,6 +209,8 @@ class GroupedMLP(StrategyChoice, nn.Module):
             f"in_features, hidden_features and out_features must be positive ints, got {sizes}",
         )
         check(fn, is_int(heads, 1), f"heads must be a positive int, got {heads!r}")
+        if backend != "auto":  # here, or the first layer refuses it as "GroupedLinear.backend"
+            get(backend, fn)
         self.in_features, self.hidden_features, self.out_features = in_features, tuple(hidden), out_features
         self.heads = heads
         self.shared_input = shared_input
@@ -460,6 +462,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
                 ``"heads"`` where it cannot run.
         """
         fn = f"{type(self).__name__}.plan"
+        # What forward refuses (a non-tensor, a sparse or nested input) the plan refuses too:
+        # it read x.dim() of anything, and planned a sparse input as if it would run.
+        check_operand_kinds(fn, input=x)
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
         self._refuse_foreign_input(fn, x)
