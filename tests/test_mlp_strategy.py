@@ -378,6 +378,28 @@ def test_layers_of_different_dtypes_are_named_with_the_conversion(strategy):
     assert model(x).shape == (3, 6)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
+def test_a_model_built_under_fake_tensor_mode_runs_every_strategy(strategy, shared, chain_spy, heads_spy):
+    # A model built under FakeTensorMode (shape and memory estimation) holds FakeTensor
+    # parameters. The layers and auto ran it; a forced fm_chain or heads refused it as "not a
+    # plain tensor parameter (a DTensor of group parallelism or FSDP2, or another subclass)".
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        model = _model(strategy, shared=shared)
+        assert type(model.layers[0].weight) is FakeTensor
+        x = _x(model, 2, 5, requires_grad=True)
+        y = model(x)
+        y.sum().backward()
+        with torch.no_grad():
+            assert model(_x(model, 7)).shape == (7, 6)
+    assert type(y) is FakeTensor and y.shape == (2, 5, 6) and x.grad.shape == x.shape
+    assert all(p.grad.shape == p.shape for p in model.parameters())
+    if strategy in ("fm_chain", "heads"):
+        assert (chain_spy if strategy == "fm_chain" else heads_spy) == [(2, 5, 6 if shared else 18), (7, 6 if shared else 18)]
+
+
 @pytest.mark.parametrize("strategy", ["auto", "layers", "fm_chain", "heads"])
 @pytest.mark.parametrize("left", ["layers.2.weight", "layers.2.bias", "layers.1.weight"])
 def test_a_layer_left_on_meta_is_refused_not_run(strategy, left):

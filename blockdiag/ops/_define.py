@@ -96,6 +96,22 @@ def plain_eager(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     )
 
 
+def functorch_function_route() -> bool:
+    """Whether an eager call runs the op's ``torch.func`` Function (a transform is in force).
+
+    Not while dynamo traces (see :meth:`OpEntry.call_op`), and not under
+    ``torch.func.functionalize``: functorch has no functionalize rule for an autograd
+    Function ("NYI: Functionalize rule for custom_function_call"), also where another
+    transform inside it runs the Function's forward at its level. The op itself is
+    functional, so it is called there; its autograd kernel runs the product as torch ops
+    (:func:`transform_forward`), which every transform differentiates and batches itself.
+    """
+    if not torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    return all(i.key() != torch._C._functorch.TransformType.Functionalize for i in stack)
+
+
 def forward_ad_active(*tensors) -> bool:
     """Whether forward-mode AD may see a call on ``tensors``: a level entered from Python, or a tangent.
 
@@ -285,9 +301,10 @@ class OpEntry:
         Not while dynamo traces: it cannot trace a Function with a custom ``jvp`` and breaks
         the graph, and a break inside a traced ``vmap`` ran the kernel on garbage. The op
         itself has a vmap rule, and under a traced transform its autograd kernel runs the
-        product as torch ops (:func:`transform_forward`).
+        product as torch ops (:func:`transform_forward`). Not under ``functionalize`` either
+        (see :func:`functorch_function_route`).
         """
-        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        if functorch_function_route():
             return self._py_fn.apply(x, weight, bias)
         return self.fwd_op(x, weight, bias)
 

@@ -58,6 +58,7 @@ from ._define import (
     differentiable_backward_needed,
     fake_backward,
     forward_ad_active,
+    functorch_function_route,
     generic_backward,
     kept_for_backward,
     kept_weight_for_backward,
@@ -421,13 +422,13 @@ def auto_inline(x: torch.Tensor, weight: torch.Tensor, bias, train: bool, state:
     ``state`` is :func:`blockdiag.dispatch.plan_state` when tracing: it only tells graphs
     planned under other settings apart.
     """
-    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
-        return _Functorch.apply(x, weight, bias, train)  # not traced: see OpEntry.call_op
+    if functorch_function_route():
+        return _Functorch.apply(x, weight, bias, train)  # see OpEntry.call_op
     return INLINE(x, weight, bias, train, state)
 
 
 def auto(x: torch.Tensor, weight: torch.Tensor, bias, train: bool) -> torch.Tensor:
     """The ``auto`` op on a 2-D ``x`` (through ``torch.func``'s Function under a transform)."""
-    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
-        return _Functorch.apply(x, weight, bias, train)  # not traced: see OpEntry.call_op
+    if functorch_function_route():
+        return _Functorch.apply(x, weight, bias, train)  # see OpEntry.call_op
     return FORWARD(x, weight, bias, train)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as _nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -51,9 +52,11 @@ def _plain(t: torch.Tensor, traced: bool) -> bool:
     """A plain tensor parameter, not a subclass such as DTensor (FSDP2's parameters).
 
     While tracing, parameters may be the tracer's own tensors (``torch.export`` passes
-    FakeTensors): those are plain, a traceable wrapper subclass (DTensor) is not.
+    FakeTensors): those are plain, a traceable wrapper subclass (DTensor) is not. A model
+    built under ``FakeTensorMode`` holds FakeTensor parameters outside any trace: those are
+    plain too (they stand for plain tensors; the products compute shapes only).
     """
-    return type(t) in _PLAIN or (traced and not is_traceable_wrapper_subclass(t))
+    return type(t) in _PLAIN or type(t) is FakeTensor or (traced and not is_traceable_wrapper_subclass(t))
 
 
 @dataclass(frozen=True)
