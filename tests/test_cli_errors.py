@@ -253,7 +253,7 @@ def _console_script(argv: list[str], slow_torch: bool = False) -> subprocess.Pop
     ``slow_torch``: torch's import waits (a minute, or until a signal) after printing a line,
     so that a signal can be sent while it runs, whatever this machine's speed.
     """
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     root = Path(__file__).resolve().parent.parent  # the cwd: the entry module lies at the root
     entry = tomllib.loads((root / "pyproject.toml").read_text())
     module, func = entry["project"]["scripts"]["blockdiag"].split(":")

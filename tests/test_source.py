@@ -72,19 +72,48 @@ def test_every_file_the_native_builds_include_names_their_cached_library():
     assert includes(_simd_ops._SOURCE, set()) == set()
 
 
+def _pyproject():
+    """pyproject.toml's [project] table, read with tomllib (Python 3.11+) or tomli before it."""
+    # pytest itself requires tomli below Python 3.11, so the oldest supported Python checks too.
+    toml = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    return toml.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
 def test_pyproject_gives_every_dependency_a_floor():
     # An unbounded requirement lets pip keep (or pick) a release that nothing here ran against:
     # virtualenv before 20.4 makes asv environments whose pip cannot install torch's wheels.
     # docs/installation.md lists the floors that were tested.
-    tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _pyproject()
     extras = project["optional-dependencies"].values()
     reqs = [*project["dependencies"], *(r for extra in extras for r in extra)]
     floors = (">=", ">", "==", "~=", "===")
     unbounded = [r for r in reqs if not any(s.operator in floors for s in Requirement(r).specifier)]
     assert not unbounded, f"pyproject.toml: no lower bound for {unbounded}"
+
+
+# Pinned releases that publish no wheel for a Python that requires-python admits: the name,
+# the first release without one, and that Python. A bare pin of such a release makes
+# `pip install -e ".[test]"` fail to resolve there (nothing of the extra installs).
+NO_WHEEL_FROM = [("onnxruntime", "1.24", "3.10")]
+
+
+def test_pyproject_pins_resolve_on_every_supported_python():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = _pyproject()
+    oldest = re.fullmatch(r">=\s*(3\.\d+)", project["requires-python"]).group(1)
+    reqs = [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    for name, first_without, python in NO_WHEEL_FROM:
+        assert Version(python) >= Version(oldest), f"{name}: {python} is below requires-python; drop it"
+        env = {"python_version": python, "python_full_version": f"{python}.0"}
+        here = [r for r in reqs if r.name == name and (r.marker is None or r.marker.evaluate(env))]
+        pins = [Version(s.version) for r in here for s in r.specifier if s.operator == "=="]
+        assert all(v < Version(first_without) for v in pins), (
+            f"pyproject.toml pins {name} to {[str(r) for r in here]} on Python {python}, "
+            f"which has no wheel there from {first_without} on")
 
 
 def test_everything_but_the_scipy_interop_runs_without_scipy(tmp_path):

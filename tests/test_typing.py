@@ -28,7 +28,7 @@ ignore_errors = True
 
 
 def test_the_wheel_ships_the_py_typed_marker():
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     assert (ROOT / "blockdiag" / "py.typed").is_file()
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "py.typed" in package_data["blockdiag"], package_data
