@@ -122,10 +122,17 @@ def _exact(typ: type, value: Any) -> bool:
     if typ is float:
         return isinstance(value, numbers.Real)
     if typ is int:
-        if isinstance(value, float):
-            return value.is_integer()
         v = as_size(value)
-        return isinstance(v, int) and not isinstance(v, bool)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return True
+        # A whole float counts as its int, of any float type: np.float32 is no float subclass,
+        # so 8.0 and np.float64(8.0) were taken and np.float32(8.0) refused.
+        if not isinstance(value, numbers.Real):
+            return False
+        try:
+            return float(value).is_integer()  # False for inf and nan
+        except OverflowError:  # Fraction(10**400)
+            return False
     return isinstance(value, os.PathLike)
 
 

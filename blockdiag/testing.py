@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .backends import Problem
+# Imported at run time, not only for type checkers: typing.get_type_hints (typeguard,
+# beartype, jsonargparse) resolves the annotations that name it in this module's globals.
+from .backends import Problem
 
 __all__ = ["reference_loop", "reference_scipy", "tolerances", "backend_tolerances", "computes_in_tf32", "devices", "DTYPES_CPU"]
 
@@ -141,7 +142,6 @@ _LOOSEST = 0.25
 def _check_problem(fn: str, problem: object) -> None:
     """Refuse a ``problem`` that is not a :class:`~blockdiag.Problem` (its fields are read)."""
     from ._errors import BlockDiagError
-    from .backends import Problem
 
     if not isinstance(problem, Problem):
         raise BlockDiagError(f"{fn}: problem must be a blockdiag.Problem, got {type(problem).__name__}")

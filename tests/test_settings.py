@@ -225,6 +225,8 @@ def test_the_developers_settings_do_not_reach_the_tests():
         pytest.param("sparsity_threshold", lambda np: np.float32(0.5), 0.5, id="set_config-sparsity_threshold=np.float32"),
         pytest.param("sparsity_threshold", lambda np: np.int64(1), 1.0, id="set_config-sparsity_threshold=np.int64"),
         pytest.param("double_backward", lambda np: np.True_, True, id="set_config-double_backward=np.bool_"),
+        # A whole float is a count as 8.0 and np.float64(8.0) are: np.float32 (no float subclass) was refused.
+        pytest.param("dense_max_groups", lambda np: np.float32(8.0), 8, id="set_config-dense_max_groups=np.float32"),
     ],
 )
 def test_numpy_scalars_are_the_numbers_they_hold(name, make, stored):

@@ -44,3 +44,29 @@ def test_the_documented_usage_type_checks_under_mypy_strict(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+
+def test_public_annotations_resolve_at_run_time():
+    """``typing.get_type_hints`` (what typeguard, beartype and jsonargparse call) resolves every
+    public function's annotations: a name imported only under ``TYPE_CHECKING`` raised NameError."""
+    import importlib
+    import inspect
+    import typing
+
+    failures = []
+    for mod_name in ("blockdiag", "blockdiag.testing", "blockdiag.distributed", "blockdiag.construct",
+                     "blockdiag.masked", "blockdiag.settings", "blockdiag.dispatch", "blockdiag.backends"):
+        mod = importlib.import_module(mod_name)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not callable(obj):
+                continue
+            targets = [(name, obj)]
+            if inspect.isclass(obj):
+                targets += [(f"{name}.{k}", v) for k, v in vars(obj).items() if not k.startswith("_") and callable(v)]
+            for label, target in targets:
+                try:
+                    typing.get_type_hints(target)
+                except NameError as e:
+                    failures.append(f"{mod_name}.{label}: {e}")
+    assert not failures, failures
