@@ -43,6 +43,18 @@ def as_size(value: object) -> object:
         return value
 
 
+def as_sizes(value: object) -> object:
+    """A tuple, list or ``torch.Size`` of sizes as a tuple of :func:`as_size` each; else ``value``.
+
+    >>> import numpy as np
+    >>> as_sizes([np.int64(2), 3]), as_sizes(None)
+    ((2, 3), None)
+    """
+    if isinstance(value, (tuple, list, torch.Size)):
+        return tuple(as_size(k) for k in value)
+    return value
+
+
 def check_groups(fn_name: str, groups: object, in_features: int, out_features: int) -> int:
     """Check that ``groups`` is a positive int dividing both feature counts."""
     check(

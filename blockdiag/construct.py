@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._checks import as_blocks, as_size, check, is_int
+from ._checks import as_blocks, as_size, as_sizes, check, is_int
 from ._errors import BlockDiagError
 from .layout import BlockLayout, _coo_indices, _csr_indices
 
@@ -117,8 +117,7 @@ def block_diag_mask(
         BlockDiagError: if ``groups`` or the block shape are not positive ints.
     """
     groups = as_size(groups)
-    if isinstance(block_shape, (tuple, list, torch.Size)):
-        block_shape = tuple(as_size(k) for k in block_shape)
+    block_shape = as_sizes(block_shape)
     check(
         "block_diag_mask",
         is_int(groups, 1),
@@ -232,8 +231,7 @@ def block_diag_bsr(blocks: Blocks, blocksize: tuple[int, int] | None = None) -> 
     w = as_blocks("block_diag_bsr", blocks)
     _, r, c = w.shape
     bs = (r, c) if blocksize is None else blocksize
-    if isinstance(bs, (tuple, list, torch.Size)):
-        bs = tuple(as_size(k) for k in bs)
+    bs = as_sizes(bs)
     check(
         "block_diag_bsr",
         _two_positive_ints(bs),

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._checks import as_size, check, check_groups
+from ._checks import as_size, as_sizes, check, check_groups, is_int
 from ._errors import BlockDiagError
 from .ops._sharding import is_dtensor
 
@@ -59,11 +59,8 @@ class BlockDiagonalMask(nn.Module):
     def __init__(self, groups: int, block_shape: tuple[int, int]):
         super().__init__()
         fn = "BlockDiagonalMask"
-        groups = as_size(groups)
-        if isinstance(block_shape, (tuple, list, torch.Size)):
-            block_shape = tuple(as_size(n) for n in block_shape)
-        check(fn, isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
-              f"groups must be an int >= 1, got {groups!r}")
+        groups, block_shape = as_size(groups), as_sizes(block_shape)
+        check(fn, is_int(groups, 1), f"groups must be an int >= 1, got {groups!r}")
         shape = tuple(block_shape) if isinstance(block_shape, (tuple, list, torch.Size)) else None
         check(fn, shape is not None and len(shape) == 2
               and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape),

@@ -350,7 +350,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
                     self._refuse_foreign_input(type(self).__name__, x)
                     # Or for layers of different dtypes or devices, which a later layer refused
                     # in its own name.
-                    mixed = None if _strategy._autocasting(x) else self._mixed_parameter(type(self).__name__)
+                    mixed = self._mixed_parameter(type(self).__name__, x)
                     check(type(self).__name__, mixed is None, mixed)
                 # Or for a parameter of another shape put in a layer's parameter dict
                 # (torch.func.functional_call): the chain and the heads failed in torch's views.
@@ -468,7 +468,7 @@ class GroupedMLP(StrategyChoice, nn.Module):
         n_in = self.in_features * (1 if self.shared_input else self.heads)
         check(fn, x.dim() >= 1 and x.shape[-1] == n_in, f"input has shape {tuple(x.shape)}; its last dimension must be {n_in}")
         self._refuse_foreign_input(fn, x)
-        mixed = None if _strategy._autocasting(x) else self._mixed_parameter(fn)
+        mixed = self._mixed_parameter(fn, x)
         check(fn, mixed is None, mixed)
         # The caller's grad mode: saved-tensor hooks rule the chain out only where autograd
         # records, also where the strategy is decided as in training (see _auto_strategy).

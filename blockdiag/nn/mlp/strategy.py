@@ -226,12 +226,12 @@ class StrategyChoice:
         if w is not None:
             # The layers (and so auto) refuse such an input too: another strategy would not help.
             return f"strategy={strategy!r} cannot run: {why}; {_foreign_fix(w)}"
-        mixed = None if _autocasting(x) else self._mixed_parameter(type(self).__name__)
+        mixed = self._mixed_parameter(type(self).__name__, x)
         if mixed is not None:  # nor would the layers run it
             return f"strategy={strategy!r} cannot run: {mixed}"
         return f"strategy={strategy!r} cannot run: {why}; use strategy='layers' or 'auto'"
 
-    def _mixed_parameter(self, fn: str) -> Optional[str]:
+    def _mixed_parameter(self, fn: str, x: torch.Tensor) -> Optional[str]:
         """Why no strategy runs this model, where a layer's parameter has another dtype or device
         than ``layers[0].weight`` (None where none has).
 
@@ -240,8 +240,10 @@ class StrategyChoice:
         cast "them" to one dtype, and a forced chain or heads advised the layers, which fail
         alike. ``load_state_dict(assign=True)`` keeps a checkpoint's dtypes, so a mixed
         checkpoint (or ``model.layers[k].half()``) makes such a model. Autocast casts every
-        layer's operands, so it runs there: the callers do not ask under autocast.
+        layer's operands, so it runs there: None under autocast on ``x``'s device.
         """
+        if _autocasting(x):
+            return None
         layers = tuple(self._modules["layers"]._modules.values())
         ref = layers[0]._parameters.get("weight") if layers else None
         if not isinstance(ref, torch.Tensor):
